@@ -1,0 +1,514 @@
+"""The inference engine: weights on the device, one preallocated KV cache, and a table of
+executables compiled ahead of time per (phase, bucket).
+
+Request path: validate on the host -> pad to the smallest (batch, length) bucket -> prefill ->
+first token -> decode steps (one host call per token, or K tokens per call in the device loop).
+Nothing on that path compiles once `warmup()` has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cg_jax import compile_stats, text, validation
+from cg_jax.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
+from cg_jax.sampling import SamplingArrays
+from cg_jax.steps import LoopState, SplitModel, StepFunctions
+from models import hf
+from models.attention import check_backend
+from models.config import PRESETS, DecoderConfig
+from models.decoder import Decoder, KVCache, cache_bytes, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static, buffer-sizing settings of an engine (all hashable).
+
+  max_seq_len: KV-cache length T (prompt + generated tokens per row).
+  buckets: batch and prompt-length buckets; the cache holds `buckets.max_batch` rows.
+  attention: attention backend ("xla" or "pallas").
+  decode_loop_steps: K, tokens per host call in the device loop.
+  compiler_options: XLA options applied to every executable (e.g. command-buffer settings).
+  """
+
+  max_seq_len: int
+  buckets: Buckets
+  attention: str = "xla"
+  decode_loop_steps: int = 16
+  compiler_options: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+  """Tokens produced in one step: {row index in the request: token id}, and text deltas."""
+
+  step: int
+  tokens: dict[int, int]
+  texts: dict[int, str] | None = None
+
+
+class GenerationResult(list):
+  """The new token ids per prompt (a list of lists), with `.texts` and `.stats` attached."""
+
+  def __init__(self, tokens: list[list[int]], texts: list[str] | None, stats: dict[str, Any]):
+    super().__init__(tokens)
+    self.texts = texts
+    self.stats = stats
+
+
+@dataclasses.dataclass
+class _Request:
+  rows: list[np.ndarray]
+  max_new_tokens: int
+  settings: validation.SamplingSettings
+  device_loop: bool
+  stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _physical_memory_bytes() -> int | None:
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def _device_memory_bytes(device) -> int | None:
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return _physical_memory_bytes() if device.platform == "cpu" else None
+
+
+def resolve_model(name: str | os.PathLike) -> str:
+  """A checkpoint directory, or a Hugging Face model name found in the local HF cache.
+
+  Raises:
+    ValueError: neither a directory nor a cached model (no network access is attempted).
+  """
+  path = os.fspath(name)
+  if os.path.isdir(path):
+    return path
+  hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+      os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
+      "hub")
+  repo = os.path.join(hub, "models--" + path.replace("/", "--"))
+  snapshots = os.path.join(repo, "snapshots")
+  ref = os.path.join(repo, "refs", "main")
+  if os.path.isfile(ref):
+    with open(ref) as f:
+      candidate = os.path.join(snapshots, f.read().strip())
+    if os.path.isdir(candidate):
+      return candidate
+  if os.path.isdir(snapshots) and os.listdir(snapshots):
+    newest = max(os.listdir(snapshots), key=lambda s: os.path.getmtime(os.path.join(snapshots, s)))
+    return os.path.join(snapshots, newest)
+  raise ValueError(
+      f"model {path!r} is not a directory, a preset ({', '.join(PRESETS)}), or a model in the "
+      f"local Hugging Face cache ({hub}); no network access is attempted. Download it first "
+      f"(e.g. `huggingface-cli download {path}`) or pass a checkpoint directory.")
+
+
+class Engine:
+  """Bucketed, ahead-of-time compiled decoder inference.
+
+  Args:
+    config: the model's `DecoderConfig`.
+    weights: {weight kind: array} as produced by `models.hf`; None initialises random weights
+      (normal(0.02), seeded by `seed`) for smoke tests and benchmarks.
+    dtype: "float32", "bfloat16" or "float16".
+    tokenizer: a `tokenizers.Tokenizer` for text prompts, or None.
+    max_seq_len: KV-cache length per row (default: min(model context, 2048)).
+    batch_buckets: batch buckets (default 1, 2, 4, 8, 16, 32).
+    prompt_buckets: prompt-length buckets (default powers of two from 16 up to max_seq_len).
+    attention: "xla" (default) or "pallas".
+    decode_loop_steps: tokens generated per host call in the device loop.
+    compiler_options: XLA options for every executable, e.g. command-buffer settings.
+    compilation_cache: persistent compilation cache directory, True for the user default,
+      False to leave it off.
+    memory_limit_bytes: override the device-memory budget used by the start-up check.
+    seed: weight-initialisation seed when `weights` is None.
+  """
+
+  def __init__(self, config: DecoderConfig, weights: Mapping[str, Any] | None = None, *,
+               dtype: str = "float32", tokenizer=None, max_seq_len: int | None = None,
+               batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+               prompt_buckets: Sequence[int] | None = None, attention: str = "xla",
+               decode_loop_steps: int = 16, compiler_options: Mapping[str, Any] | None = None,
+               compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
+               seed: int = 0):
+    self.model_config = config
+    self.dtype = jnp.dtype(hf.numpy_dtype(dtype))
+    self.tokenizer = tokenizer
+    check_backend(attention)
+    if max_seq_len is None:
+      max_seq_len = min(config.max_position_embeddings, 2048)
+    if not isinstance(max_seq_len, int) or not 2 <= max_seq_len <= config.max_position_embeddings:
+      raise ValueError(f"max_seq_len must be an int in [2, {config.max_position_embeddings}], "
+                       f"got {max_seq_len!r}")
+    if prompt_buckets is None:
+      prompt_buckets = powers_of_two(min(16, max_seq_len - 1), max_seq_len - 1)
+    buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets))
+    if buckets.max_prompt_len >= max_seq_len:
+      raise ValueError(f"the largest prompt bucket ({buckets.max_prompt_len}) must be < "
+                       f"max_seq_len ({max_seq_len}) to leave room for a new token")
+    if not isinstance(decode_loop_steps, int) or decode_loop_steps < 1:
+      raise ValueError(f"decode_loop_steps must be an int >= 1, got {decode_loop_steps!r}")
+    self.config = EngineConfig(
+        max_seq_len=max_seq_len, buckets=buckets, attention=attention,
+        decode_loop_steps=decode_loop_steps,
+        compiler_options=tuple(sorted((compiler_options or {}).items())))
+    self._check_memory(memory_limit_bytes)
+    self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
+
+    if weights is None:
+      def init():
+        return nnx.to_pure_dict(nnx.state(Decoder(config, dtype=self.dtype, rngs=nnx.Rngs(seed))))
+      weights = jax.jit(init)()
+    abstract = nnx.eval_shape(lambda: Decoder(config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    expected = nnx.to_pure_dict(state)
+    if set(expected) != set(weights):
+      raise ValueError(f"weights have kinds {sorted(weights)}, expected {sorted(expected)}")
+    for name, spec in expected.items():
+      if tuple(weights[name].shape) != tuple(spec.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, "
+                         f"expected {tuple(spec.shape)}")
+    device_weights = {n: jax.device_put(jnp.asarray(w, dtype=self.dtype)) for n, w in weights.items()}
+    nnx.replace_by_pure_dict(state, device_weights)
+    flat, treedef = jax.tree.flatten(state)
+    self._split = SplitModel(graphdef, treedef, flat)
+    self._steps = StepFunctions(self._split, attention, decode_loop_steps)
+    self._executables: dict[tuple, Any] = {}
+    self._compile_times: dict[tuple, float] = {}
+    self._cache: KVCache | None = None
+    self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(t, attention=attention))
+    self._lock = threading.RLock()
+    self._warm = False
+    self._compiles_at_warmup: int | None = None
+
+  # ------------------------------------------------------------------------------------------------
+  # Construction
+
+  @classmethod
+  def from_pretrained(cls, path: str | os.PathLike, dtype: str = "float32", **engine_options):
+    """Load a local Hugging Face checkpoint directory, a preset name (random weights), or a
+    Hugging Face model name from the local HF cache."""
+    name = os.fspath(path)
+    if name in PRESETS and not os.path.isdir(name):
+      return cls(PRESETS[name], None, dtype=dtype, **engine_options)
+    directory = resolve_model(name)
+    config, weights = hf.load_checkpoint(directory, dtype)
+    engine_options.setdefault("tokenizer", text.load_tokenizer(directory))
+    return cls(config, weights, dtype=dtype, **engine_options)
+
+  @classmethod
+  def from_state_dict(cls, hf_config: Mapping[str, Any] | DecoderConfig, state_dict: Mapping[str, Any],
+                      dtype: str = "float32", **engine_options):
+    """Build from an in-memory (PyTorch) state_dict and a HF config dict (or a DecoderConfig)."""
+    config = hf_config if isinstance(hf_config, DecoderConfig) else hf.config_from_hf(hf_config)
+    return cls(config, hf.convert_state_dict(config, state_dict, dtype), dtype=dtype,
+               **engine_options)
+
+  def _check_memory(self, limit: int | None) -> None:
+    config, engine = self.model_config, self.config
+    kv = cache_bytes(config, engine.buckets.max_batch, engine.max_seq_len, self.dtype)
+    weights = config.num_parameters() * self.dtype.itemsize
+    limit = limit if limit is not None else _device_memory_bytes(jax.devices()[0])
+    if limit is not None and kv + weights > limit:
+      gib = 2**30
+      raise ValueError(
+          f"the KV cache for max batch {engine.buckets.max_batch} x max_seq_len "
+          f"{engine.max_seq_len} needs {kv} bytes ({kv / gib:.2f} GiB) and the weights "
+          f"{weights} bytes ({weights / gib:.2f} GiB), more than the {limit} bytes "
+          f"({limit / gib:.2f} GiB) of device memory; lower max_seq_len or batch_buckets")
+
+  # ------------------------------------------------------------------------------------------------
+  # Ahead-of-time compilation
+
+  def _specs(self):
+    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in self._split.weights]
+    c, e = self.model_config, self.config
+    shape = (c.num_layers, e.buckets.max_batch, e.max_seq_len, c.num_kv_heads, c.head_dim)
+    cache = KVCache(k=jax.ShapeDtypeStruct(shape, self.dtype), v=jax.ShapeDtypeStruct(shape, self.dtype))
+    return weights, cache
+
+  def _lower(self, key: tuple):
+    """Lower one executable: key = (phase, batch bucket, length bucket or greedy flag)."""
+    phase = key[0]
+    steps, (weights, cache) = self._steps, self._specs()
+    vocab = self.model_config.vocab_size
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    if phase == "cache":
+      c, e = self.model_config, self.config
+      return jax.jit(lambda: init_cache(c, e.buckets.max_batch, e.max_seq_len, self.dtype)).lower()
+    _, batch, extra = key
+    if phase == "prefill":
+      return jax.jit(steps.prefill, donate_argnums=(1,)).lower(weights, cache, i32(batch, extra),
+                                                               i32(batch))
+    sampling = None if extra else SamplingArrays.spec(batch)
+    if phase == "first":
+      logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
+      return jax.jit(steps.first_token).lower(logits, i32(batch), sampling)
+    if phase == "decode":
+      return jax.jit(steps.decode, donate_argnums=(1,)).lower(weights, cache, i32(batch),
+                                                              i32(batch), sampling)
+    if phase == "loop":
+      return jax.jit(steps.decode_loop, donate_argnums=(1,)).lower(
+          weights, cache, LoopState.spec(batch), i32(validation.MAX_EOS_IDS), sampling)
+    raise KeyError(key)
+
+  def _executable(self, key: tuple):
+    """The compiled executable for `key`, compiling it now if warmup did not."""
+    exe = self._executables.get(key)
+    if exe is None:
+      start = time.perf_counter()
+      options = dict(self.config.compiler_options) or None
+      exe = self._lower(key).compile(compiler_options=options) if options else self._lower(key).compile()
+      self._compile_times[key] = time.perf_counter() - start
+      self._executables[key] = exe
+    return exe
+
+  def executable_keys(self, batch_sizes: Sequence[int] | None = None,
+                      prompt_lengths: Sequence[int] | None = None) -> list[tuple]:
+    """Every (phase, bucket) executable the request path can use."""
+    b = self.config.buckets
+    batch_sizes = b.batch_sizes if batch_sizes is None else batch_sizes
+    prompt_lengths = b.prompt_lengths if prompt_lengths is None else prompt_lengths
+    keys: list[tuple] = [("cache",)]
+    for batch in batch_sizes:
+      keys += [("prefill", batch, length) for length in prompt_lengths]
+      for phase in ("first", "decode", "loop"):
+        keys += [(phase, batch, True), (phase, batch, False)]
+    return keys
+
+  def warmup(self, *, batch_sizes: Sequence[int] | None = None,
+             prompt_lengths: Sequence[int] | None = None, progress: bool = True) -> dict[str, float]:
+    """Compile every (phase, bucket) executable ahead of time and allocate the KV cache.
+
+    Args:
+      batch_sizes, prompt_lengths: restrict to these buckets (default: all).
+      progress: show a progress bar.
+    Returns:
+      {executable name: compile seconds} (small when served from the persistent cache).
+    """
+    from tqdm.auto import tqdm
+
+    keys = self.executable_keys(batch_sizes, prompt_lengths)
+    with self._lock:
+      for key in tqdm(keys, desc="compiling", disable=not progress, unit="exe"):
+        self._executable(key)
+      self._ensure_cache()
+      self._warm = batch_sizes is None and prompt_lengths is None
+      self._compiles_at_warmup = compile_stats.compile_count()
+    return {"/".join(map(str, k)): self._compile_times.get(k, 0.0) for k in keys}
+
+  def _ensure_cache(self) -> KVCache:
+    if self._cache is None or self._cache.k.is_deleted() or self._cache.v.is_deleted():
+      self._cache = self._executable(("cache",))()
+    return self._cache
+
+  def stats(self) -> dict[str, Any]:
+    """Compile counters and engine settings."""
+    count = compile_stats.compile_count()
+    return {
+        "compiles_total": count,
+        "compiles_since_warmup": None if self._compiles_at_warmup is None
+        else count - self._compiles_at_warmup,
+        "compile_seconds_total": compile_stats.compile_seconds(),
+        "executables": len(self._executables),
+        "warmup_seconds": sum(self._compile_times.values()),
+        "compilation_cache_dir": self.compilation_cache_dir,
+        "attention": self.config.attention,
+        "compiler_options": dict(self.config.compiler_options),
+        "max_seq_len": self.config.max_seq_len,
+        "batch_buckets": self.config.buckets.batch_sizes,
+        "prompt_buckets": self.config.buckets.prompt_lengths,
+    }
+
+  # ------------------------------------------------------------------------------------------------
+  # Requests
+
+  def logits(self, input_ids) -> np.ndarray:
+    """Full-sequence float32 logits [B, S, V] without cache (an analysis/test path; it compiles
+    per input shape)."""
+    rows = validation.prompts(input_ids, self.model_config.vocab_size)
+    if len({len(r) for r in rows}) != 1:
+      raise ValueError("logits() needs equal-length rows (a rectangular [B, S] array)")
+    if len(rows[0]) > self.model_config.max_position_embeddings:
+      raise ValueError(f"sequence length {len(rows[0])} exceeds the model context "
+                       f"({self.model_config.max_position_embeddings})")
+    return np.asarray(self._logits_fn(self._split.weights, np.stack(rows)))
+
+  def _encode(self, inputs) -> tuple[Any, bool]:
+    is_text = isinstance(inputs, str) or (
+        isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, str) for x in inputs))
+    if not is_text:
+      return inputs, False
+    if self.tokenizer is None:
+      raise TypeError("text prompts need a tokenizer (tokenizer.json in the checkpoint "
+                      "directory); pass token ids instead")
+    texts = [inputs] if isinstance(inputs, str) else list(inputs)
+    return [self.tokenizer.encode(t).ids for t in texts], True
+
+  def _request(self, inputs, max_new_tokens, *, do_sample, temperature, top_k, top_p, seed,
+               eos_token_id, device_loop) -> _Request:
+    """Validate a request on the host (nothing touches the device)."""
+    input_ids, _ = self._encode(inputs)
+    rows = validation.prompts(input_ids, self.model_config.vocab_size)
+    validation.lengths(rows, max_prompt_len=self.config.buckets.max_prompt_len,
+                       max_seq_len=self.config.max_seq_len, max_new_tokens=max_new_tokens)
+    settings = validation.sampling(
+        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        eos_token_id=eos_token_id, default_eos=self.model_config.eos_token_id,
+        vocab_size=self.model_config.vocab_size)
+    if not isinstance(device_loop, (bool, np.bool_)):
+      raise TypeError(f"device_loop must be a bool, got {device_loop!r}")
+    return _Request(rows, max_new_tokens, settings, bool(device_loop))
+
+  def generate(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+               device_loop: bool = False) -> GenerationResult:
+    """Generate continuations.
+
+    Args:
+      inputs: a list of token-id lists (any lengths), a 2-D int array, or text (a string or a
+        list of strings) when the engine has a tokenizer.
+      max_new_tokens: tokens to generate per prompt (>= 1); a row also stops after an EOS id.
+      do_sample: False for greedy; True samples with temperature / top_k / top_p (temperature 0
+        is greedy).
+      seed: sampling seed (None: random). The same seed gives the same tokens.
+      eos_token_id: an id or a list of ids; None uses the model's; [] disables EOS.
+      device_loop: generate `decode_loop_steps` tokens per host call inside one executable.
+    Returns:
+      A `GenerationResult`: a list of new-token lists (EOS included when hit), with `.texts`
+      (when a tokenizer exists) and `.stats` (ttft_s, per_token_s, tokens_per_s, ...).
+    """
+    request = self._request(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                            device_loop=device_loop)
+    tokens: list[list[int]] = [[] for _ in request.rows]
+    for chunk in self._run(request):
+      for row, token in chunk.tokens.items():
+        tokens[row].append(token)
+    texts = None
+    if self.tokenizer is not None:
+      texts = [text.decode(self.tokenizer, t) for t in tokens]
+    return GenerationResult(tokens, texts, request.stats)
+
+  def stream(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+             device_loop: bool = False) -> Iterator[StreamChunk]:
+    """Like `generate`, but yields a `StreamChunk` per step as tokens are produced.
+
+    Validation happens at call time, before the first chunk is requested.
+    """
+    request = self._request(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                            device_loop=device_loop)
+    return self._stream_text(request) if self.tokenizer is not None else self._run(request)
+
+  def _stream_text(self, request: _Request) -> Iterator[StreamChunk]:
+    ids: dict[int, list[int]] = {}
+    shown: dict[int, str] = {}
+    for chunk in self._run(request):
+      deltas = {}
+      for row, token in chunk.tokens.items():
+        ids.setdefault(row, []).append(token)
+        full = text.decode(self.tokenizer, ids[row])
+        deltas[row] = full[len(shown.get(row, "")):]
+        shown[row] = full
+      yield dataclasses.replace(chunk, texts=deltas)
+
+  # ------------------------------------------------------------------------------------------------
+  # The decode loops
+
+  def _run(self, request: _Request) -> Iterator[StreamChunk]:
+    """Run a validated request batch by batch; yields one chunk per step."""
+    with self._lock:
+      start = time.perf_counter()
+      first_token_at = None
+      total_tokens = 0
+      steps = 0
+      for run_start, run_stop in self.config.buckets.split(len(request.rows)):
+        for chunk in self._run_batch(request, run_start, run_stop):
+          if first_token_at is None:
+            first_token_at = time.perf_counter()
+          total_tokens += len(chunk.tokens)
+          steps += 1
+          yield chunk
+      end = time.perf_counter()
+      decode_steps = max(steps - 1, 1)
+      request.stats.update(
+          ttft_s=first_token_at - start, total_s=end - start, new_tokens=total_tokens,
+          per_token_s=(end - first_token_at) / decode_steps,
+          tokens_per_s=total_tokens / (end - start), device_loop=request.device_loop,
+          greedy=request.settings.greedy)
+
+  def _run_batch(self, request: _Request, row_start: int, row_stop: int) -> Iterator[StreamChunk]:
+    rows = request.rows[row_start:row_stop]
+    settings, real = request.settings, len(rows)
+    buckets = self.config.buckets
+    batch = buckets.batch_bucket(real)
+    length = buckets.length_bucket(max(len(r) for r in rows))
+    # Right-padded prompts; padding rows are one token long and finish at once.
+    tokens = np.zeros((batch, length), np.int32)
+    lengths = np.ones((batch,), np.int32)
+    for i, row in enumerate(rows):
+      tokens[i, :len(row)] = row
+      lengths[i] = len(row)
+    sampling = None
+    if not settings.greedy:
+      sampling = SamplingArrays.host(
+          batch, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+          seed=settings.seed, rows=np.arange(row_start, row_stop))
+    greedy = settings.greedy
+    weights = self._split.weights
+    eos = np.asarray(settings.eos_ids, np.int32)
+
+    logits, self._cache = self._executable(("prefill", batch, length))(
+        weights, self._ensure_cache(), tokens, lengths)
+    next_tokens = self._executable(("first", batch, greedy))(logits, lengths, sampling)
+    host_tokens = np.asarray(next_tokens)
+    budget = np.full((batch,), request.max_new_tokens - 1, np.int32)
+    done = np.arange(batch) >= real
+    done |= np.isin(host_tokens, eos) | (budget <= 0)
+    yield StreamChunk(0, {row_start + i: int(host_tokens[i]) for i in range(real)})
+    step = 1
+    if request.device_loop:
+      eos_padded = np.full((validation.MAX_EOS_IDS,), -1, np.int32)
+      eos_padded[:len(eos)] = eos
+      loop = self._executable(("loop", batch, greedy))
+      state = LoopState(tokens=next_tokens, positions=lengths, done=done, budget=budget)
+      while not np.all(done):
+        state, out, self._cache = loop(weights, self._cache, state, eos_padded, sampling)
+        out, done = np.asarray(out), np.asarray(state.done)
+        for column in out.T:
+          emitted = {row_start + i: int(column[i]) for i in range(real) if column[i] >= 0}
+          if not emitted:
+            break
+          yield StreamChunk(step, emitted)
+          step += 1
+      return
+    decode = self._executable(("decode", batch, greedy))
+    positions = lengths
+    while not np.all(done):
+      next_tokens, positions, self._cache = decode(weights, self._cache, next_tokens, positions,
+                                                   sampling)
+      host_tokens = np.asarray(next_tokens)
+      emitted = {row_start + i: int(host_tokens[i]) for i in range(real) if not done[i]}
+      budget = np.where(done, budget, budget - 1)
+      done = done | np.isin(host_tokens, eos) | (budget <= 0)
+      yield StreamChunk(step, emitted)
+      step += 1

@@ -1,0 +1,124 @@
+"""The hot path: pure functions over a flat list of weight arrays and a donated KV cache.
+
+The NNX model is split once (`split_model`); each step re-hydrates it with `nnx.merge` inside the
+trace, so a call passes ~15-20 weight arrays and costs no Python graph traversal. `StepFunctions`
+holds the functions that are compiled ahead of time per bucket:
+
+  prefill(weights, cache, tokens[B,S], lengths[B])                 -> (logits[B,V], cache)
+  first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
+  decode(weights, cache, tokens[B], positions[B], sampling)        -> (tokens[B], positions[B], cache)
+  decode_loop(weights, cache, LoopState, eos[E], sampling)          -> (LoopState, out[B,K], cache)
+
+`sampling` is a `SamplingArrays` or None (the greedy-only executable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cg_jax.sampling import SamplingArrays, select_tokens
+from models.decoder import Decoder, KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitModel:
+  """A model split once for the hot path: static structure plus a flat list of weight arrays."""
+
+  graphdef: Any
+  treedef: Any
+  weights: list[jax.Array]
+
+  def merge(self, weights) -> Decoder:
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, weights))
+
+
+def split_model(model: Decoder) -> SplitModel:
+  """Split an NNX decoder into graphdef, state treedef and flat weights (done once, at load)."""
+  graphdef, state = nnx.split(model)
+  weights, treedef = jax.tree.flatten(state)
+  return SplitModel(graphdef, treedef, weights)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """Per-row decode state carried between device-loop calls, each [B].
+
+  tokens: last token of each row; positions: where that token goes in the cache;
+  done: row finished (EOS, budget spent, or a padding row); budget: tokens the row may still emit.
+  """
+
+  tokens: jax.Array
+  positions: jax.Array
+  done: jax.Array
+  budget: jax.Array
+
+  @classmethod
+  def spec(cls, batch: int) -> "LoopState":
+    i32 = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return cls(tokens=i32, positions=i32, done=jax.ShapeDtypeStruct((batch,), jnp.bool_),
+               budget=i32)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+  """The step functions of one split model (see module docstring).
+
+  Args:
+    split: the split model; its graphdef/treedef are baked into the traces.
+    attention: attention backend name passed to the model.
+    loop_steps: K, tokens generated per device-loop call.
+  """
+
+  split: SplitModel
+  attention: str
+  loop_steps: int
+
+  def prefill(self, weights, cache: KVCache, tokens, lengths):
+    model = self.split.merge(weights)
+    return model.prefill(tokens, lengths, cache, attention=self.attention)
+
+  @staticmethod
+  def first_token(logits, positions, sampling: SamplingArrays | None):
+    return select_tokens(logits, positions, sampling)
+
+  def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
+    model = self.split.merge(weights)
+    logits, cache = model.decode(tokens, positions, cache, attention=self.attention)
+    next_positions = positions + 1
+    return select_tokens(logits, next_positions, sampling), next_positions, cache
+
+  def decode_loop(self, weights, cache: KVCache, state: LoopState, eos, sampling):
+    """Up to K decode steps in one `lax.while_loop`, stopping early when every row is done.
+
+    out[b, i] is the i-th token of this call for row b, or -1 once the row was done.
+    A row becomes done after emitting an EOS id (from `eos`, int32 [E], -1 padded) or when its
+    budget reaches 0.
+    """
+    model = self.split.merge(weights)
+    batch = state.tokens.shape[0]
+    out = jnp.full((batch, self.loop_steps), -1, jnp.int32)
+
+    def cond(carry):
+      step, state, _, _ = carry
+      return (step < self.loop_steps) & ~jnp.all(state.done)
+
+    def body(carry):
+      step, state, out, cache = carry
+      logits, cache = model.decode(state.tokens, state.positions, cache, attention=self.attention)
+      positions = jnp.where(state.done, state.positions, state.positions + 1)
+      tokens = select_tokens(logits, positions, sampling)
+      tokens = jnp.where(state.done, state.tokens, tokens)
+      out = out.at[:, step].set(jnp.where(state.done, -1, tokens))
+      budget = jnp.where(state.done, state.budget, state.budget - 1)
+      hit_eos = jnp.any(tokens[:, None] == eos[None, :], axis=-1)
+      done = state.done | hit_eos | (budget <= 0)
+      return step + 1, LoopState(tokens, positions, done, budget), out, cache
+
+    _, state, out, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, cache))
+    return state, out, cache

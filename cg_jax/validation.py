@@ -1,0 +1,137 @@
+"""Host-side request validation: every bad input is rejected before anything reaches the device.
+
+JAX clamps out-of-range gathers and cache writes silently, so each check here names the
+parameter, the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+MAX_EOS_IDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+  """Validated sampling settings of one request."""
+
+  greedy: bool
+  temperature: float
+  top_k: int
+  top_p: float
+  seed: int
+  eos_ids: tuple[int, ...]
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def prompts(input_ids, vocab_size: int) -> list[np.ndarray]:
+  """Validate token-id prompts: a list of int lists (ragged) or a 2-D integer array.
+
+  Returns:
+    One int32 array per row.
+  """
+  if isinstance(input_ids, np.ndarray) or hasattr(input_ids, "__array__"):
+    array = np.asarray(input_ids)
+    if array.ndim != 2:
+      raise ValueError(f"input_ids must have rank 2 [batch, length], got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+      raise TypeError(f"input_ids must hold integers, got dtype {array.dtype}")
+    rows = list(array)
+  elif isinstance(input_ids, (list, tuple)):
+    rows = list(input_ids)
+  else:
+    raise TypeError(f"input_ids must be a list of token-id lists or a 2-D int array, "
+                    f"got {type(input_ids).__name__}")
+  if not rows:
+    raise ValueError("input_ids is empty: need at least one prompt")
+  result = []
+  for index, row in enumerate(rows):
+    if _is_int(row):
+      raise ValueError("input_ids must have rank 2 (a list of token-id lists); got a flat list "
+                       "of ints: wrap a single prompt as [[...]]")
+    if isinstance(row, np.ndarray):
+      if row.ndim != 1:
+        raise ValueError(f"input_ids[{index}] must be 1-D, got shape {row.shape}")
+      values = row.tolist() if np.issubdtype(row.dtype, np.integer) else list(row)
+    elif isinstance(row, (list, tuple)):
+      values = list(row)
+    else:
+      raise TypeError(f"input_ids[{index}] must be a list of ints, got {type(row).__name__}")
+    if not values:
+      raise ValueError(f"input_ids[{index}] is empty: every prompt needs at least one token")
+    for position, token in enumerate(values):
+      if not _is_int(token):
+        raise TypeError(f"input_ids[{index}][{position}] must be an int token id, "
+                        f"got {token!r} ({type(token).__name__})")
+    ids = np.asarray(values, dtype=np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+      position = int(bad[0])
+      raise ValueError(f"input_ids[{index}][{position}] = {int(ids[position])} is out of range; "
+                       f"token ids must be in [0, {vocab_size - 1}]")
+    result.append(ids.astype(np.int32))
+  return result
+
+
+def lengths(rows: list[np.ndarray], *, max_prompt_len: int, max_seq_len: int,
+            max_new_tokens) -> None:
+  """Check max_new_tokens and that each prompt and its continuation fit."""
+  if not _is_int(max_new_tokens):
+    raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+  if max_new_tokens <= 0:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  for index, row in enumerate(rows):
+    if len(row) > max_prompt_len:
+      raise ValueError(f"prompt {index} has {len(row)} tokens; the largest prompt-length bucket "
+                       f"is {max_prompt_len} (allowed 1..{max_prompt_len})")
+    if len(row) + max_new_tokens > max_seq_len:
+      raise ValueError(
+          f"prompt {index} ({len(row)} tokens) + max_new_tokens ({max_new_tokens}) = "
+          f"{len(row) + max_new_tokens} exceeds the context of {max_seq_len} tokens; allowed "
+          f"max_new_tokens for this prompt: 1..{max_seq_len - len(row)}")
+
+
+def sampling(*, do_sample, temperature, top_k, top_p, seed, eos_token_id, default_eos,
+             vocab_size: int) -> SamplingSettings:
+  """Validate sampling settings; temperature 0 (or do_sample=False) means greedy."""
+  if not isinstance(do_sample, (bool, np.bool_)):
+    raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+  if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+  if not _is_int(top_k):
+    raise TypeError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
+  if top_k < 0:
+    raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+  if not _is_real(top_p) or not (0.0 < top_p <= 1.0):  # NaN fails the comparison too
+    raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
+  if seed is None:
+    seed = int(np.random.default_rng().integers(0, 2**32))
+  elif not _is_int(seed) or not 0 <= seed < 2**32:
+    raise ValueError(f"seed must be None or an int in [0, 2**32), got {seed!r}")
+  if eos_token_id is None:
+    eos = tuple(default_eos)
+  elif _is_int(eos_token_id):
+    eos = (int(eos_token_id),)
+  elif isinstance(eos_token_id, (list, tuple)) and all(_is_int(e) for e in eos_token_id):
+    eos = tuple(int(e) for e in eos_token_id)
+  else:
+    raise TypeError(f"eos_token_id must be None, an int or a list of ints, got {eos_token_id!r}")
+  for e in eos:
+    if not 0 <= e < vocab_size:
+      raise ValueError(f"eos_token_id {e} is out of range; allowed [0, {vocab_size - 1}]")
+  if len(eos) > MAX_EOS_IDS:
+    raise ValueError(f"eos_token_id has {len(eos)} ids; at most {MAX_EOS_IDS} are supported")
+  greedy = (not do_sample) or temperature == 0
+  return SamplingSettings(greedy=greedy, temperature=float(temperature), top_k=int(top_k),
+                          top_p=float(top_p), seed=int(seed), eos_ids=eos)

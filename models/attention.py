@@ -1,0 +1,91 @@
+"""Attention backends behind one switch.
+
+Two entry points, with the shapes the Pallas kernels of `cg_jax.kernels` will take:
+  prefill_attention(q, k, v, lengths):        causal self-attention over right-padded sequences.
+  decode_attention(q, k_cache, v_cache, lengths): one query per sequence against its cache.
+
+`backend="xla"` is plain jnp (einsum, mask, softmax, einsum) and runs everywhere.
+Einsum letters: B batch, T query positions, S key positions, K kv heads, G queries per kv head,
+H head_dim.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Backend = Literal["xla", "pallas"]
+BACKENDS: tuple[str, ...] = ("xla", "pallas")
+
+
+def check_backend(backend: str) -> None:
+  """Raise ValueError for an unknown attention backend."""
+  if backend not in BACKENDS:
+    raise ValueError(f"attention must be one of {BACKENDS}, got {backend!r}")
+
+
+def _pallas_not_available():
+  raise NotImplementedError(
+      "attention='pallas' needs cg_jax.kernels (Pallas flash/decode attention), not built yet; "
+      "use attention='xla'")
+
+
+def _softmax_attention(q, k, v, mask, sm_scale):
+  """Masked softmax attention with GQA, f32 scores and softmax.
+
+  Args:
+    q: [B, T, K*G, H]; k, v: [B, S, K, H]; mask: bool [B, T, S] (True = attend).
+  Returns:
+    [B, T, K*G, H] in q.dtype.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  # [B, T, K, G, H]
+  q = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  # [B, K, G, T, S]
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=precision,
+                      preferred_element_type=jnp.float32) * sm_scale
+  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  # [B, T, K, G, H]
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, precision=precision,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+
+
+def prefill_attention(q, k, v, lengths, *, sm_scale: float, backend: Backend = "xla"):
+  """Causal attention over right-padded sequences.
+
+  Args:
+    q: [B, S, Hq, D]; k, v: [B, S, Hkv, D]; lengths: int32 [B], valid tokens per row.
+  Returns:
+    [B, S, Hq, D]. Rows past a sequence's length hold unspecified (finite) values.
+  """
+  if backend == "pallas":
+    _pallas_not_available()
+  seq_len = q.shape[1]
+  positions = jnp.arange(seq_len)
+  # [B, S(query), S(key)]
+  causal = positions[None, :, None] >= positions[None, None, :]
+  valid_key = positions[None, None, :] < lengths[:, None, None]
+  return _softmax_attention(q, k, v, causal & valid_key, sm_scale)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: Backend = "xla"):
+  """One query token per sequence against the first `lengths[b]` cache entries.
+
+  Args:
+    q: [B, Hq, D]; k_cache, v_cache: [B, T, Hkv, D]; lengths: int32 [B] (>= 1 for real rows).
+  Returns:
+    [B, Hq, D].
+  """
+  if backend == "pallas":
+    _pallas_not_available()
+  cache_len = k_cache.shape[1]
+  # [B, 1, T]
+  mask = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, None, :]
+  return _softmax_attention(q[:, None], k_cache, v_cache, mask, sm_scale)[:, 0]

@@ -1,0 +1,334 @@
+"""The decoder (GPT-2 and Llama families) as one Flax NNX module with weights stacked over layers.
+
+Every per-layer weight kind is one `nnx.Param` with a leading layer axis, so the whole model is
+about 15-20 arrays and the layer loop is a `lax.scan`. The KV cache is a separate pytree
+(`KVCache`) passed in and returned, never module state, so a jitted step can donate it.
+
+Three forward paths, all pure in (weights, cache, inputs):
+  logits(tokens):                       full-sequence logits, no cache.
+  prefill(tokens, lengths, cache):      right-padded prompts; fills cache[:, :, :S]; returns the
+                                        logits of each row's last real token.
+  decode(tokens, positions, cache):     one token per row, each at its own position.
+
+Einsum letters: B batch, S sequence, D hidden, F mlp width, V vocab, L layers, T cache length,
+K kv heads, H head_dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import Backend, decode_attention, prefill_attention
+from models.config import DecoderConfig
+
+LAYER_WEIGHTS: tuple[str, ...] = (
+    "attn_norm_scale", "attn_norm_bias", "qkv_kernel", "qkv_bias", "out_kernel", "out_bias",
+    "mlp_norm_scale", "mlp_norm_bias", "mlp_in_kernel", "mlp_in_bias", "mlp_out_kernel",
+    "mlp_out_bias")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Keys and values of every layer: k, v [L, B, T, K, H]."""
+
+  k: jax.Array
+  v: jax.Array
+
+  @property
+  def batch_size(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+
+def init_cache(config: DecoderConfig, batch_size: int, max_len: int, dtype) -> KVCache:
+  """A zero-filled cache (never `jnp.empty`: uninitialised memory since jax 0.11)."""
+  shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def cache_bytes(config: DecoderConfig, batch_size: int, max_len: int, dtype) -> int:
+  """Bytes of one `KVCache` of this shape."""
+  elements = config.num_layers * batch_size * max_len * config.num_kv_heads * config.head_dim
+  return 2 * elements * jnp.dtype(dtype).itemsize
+
+
+def rope_inverse_frequencies(config: DecoderConfig) -> np.ndarray:
+  """float32 [H/2] RoPE inverse frequencies with the config's scaling (Hugging Face semantics)."""
+  exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
+  inv_freq = (1.0 / (config.rope_theta ** exponents)).astype(np.float32).astype(np.float64)
+  scaling = config.rope_scaling
+  if scaling is None or scaling.rope_type == "default":
+    pass
+  elif scaling.rope_type == "linear":
+    inv_freq = inv_freq / scaling.factor
+  elif scaling.rope_type == "llama3":
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((old_context / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    inv_freq = np.where(is_medium, smoothed, scaled)
+  else:
+    raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
+  return inv_freq.astype(np.float32)
+
+
+def _apply_rope(x, positions, inv_freq):
+  """Rotate-half RoPE (Hugging Face Llama convention).
+
+  Args:
+    x: [B, S, N, H]; positions: int32 [B, S]; inv_freq: f32 [H/2].
+  """
+  # [B, S, H/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  # [B, S, 1, H]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _matmul(x, w):
+  """x [..., I] @ w [I, O], true float32 on GPU for float32 weights (no TF32)."""
+  precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+  return jnp.matmul(x, w, precision=precision)
+
+
+def _norm(x, scale, bias, eps: float):
+  """LayerNorm when `bias` is given, else RMSNorm; computed in float32, returned in x.dtype."""
+  x32 = x.astype(jnp.float32)
+  if bias is not None:
+    x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  if bias is not None:
+    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+  # Llama casts back to the activation dtype before the weight multiply.
+  return scale * normed.astype(x.dtype)
+
+
+_ACTIVATIONS = {
+    "gelu_tanh": lambda u: jax.nn.gelu(u, approximate=True),
+    "gelu": lambda u: jax.nn.gelu(u, approximate=False),
+    "silu": jax.nn.silu,
+}
+
+
+class Decoder(nnx.Module):
+  """GPT-2 / Llama decoder with weights stacked over layers.
+
+  Args:
+    config: the model's `DecoderConfig`.
+    dtype: parameter and activation dtype (float32, bfloat16, float16).
+    rngs: random streams for initialisation (normal(0.02), as Hugging Face does).
+  """
+
+  def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    c = config
+    layers, hidden = c.num_layers, c.hidden_size
+    mlp_in_width = (2 if c.gated_mlp else 1) * c.intermediate_size
+    normal = nnx.initializers.normal(0.02)
+
+    def random(*shape):
+      return nnx.Param(normal(rngs.params(), shape, dtype))
+
+    def ones(*shape):
+      return nnx.Param(jnp.ones(shape, dtype))
+
+    def zeros(*shape):
+      return nnx.Param(jnp.zeros(shape, dtype))
+
+    self.embed = random(c.vocab_size, hidden)
+    self.position_embed = None if c.uses_rope else random(c.max_position_embeddings, hidden)
+    self.attn_norm_scale = ones(layers, hidden)
+    self.attn_norm_bias = zeros(layers, hidden) if c.uses_layernorm else None
+    self.qkv_kernel = random(layers, hidden, c.qkv_width)
+    self.qkv_bias = zeros(layers, c.qkv_width) if c.attention_bias else None
+    self.out_kernel = random(layers, c.num_heads * c.head_dim, hidden)
+    self.out_bias = zeros(layers, hidden) if c.attention_bias else None
+    self.mlp_norm_scale = ones(layers, hidden)
+    self.mlp_norm_bias = zeros(layers, hidden) if c.uses_layernorm else None
+    self.mlp_in_kernel = random(layers, hidden, mlp_in_width)
+    self.mlp_in_bias = zeros(layers, mlp_in_width) if c.mlp_bias else None
+    self.mlp_out_kernel = random(layers, c.intermediate_size, hidden)
+    self.mlp_out_bias = zeros(layers, hidden) if c.mlp_bias else None
+    self.final_norm_scale = ones(hidden)
+    self.final_norm_bias = zeros(hidden) if c.uses_layernorm else None
+    self.lm_head = None if c.tie_word_embeddings else random(hidden, c.vocab_size)
+
+  # ----------------------------------------------------------------------------------------------
+  # Pieces
+
+  def _value(self, name: str):
+    param = getattr(self, name)
+    return None if param is None else param[...]
+
+  def _layer_weights(self) -> dict[str, jax.Array]:
+    """The stacked per-layer weights that exist for this family, each [L, ...]."""
+    return {n: self._value(n) for n in LAYER_WEIGHTS if getattr(self, n) is not None}
+
+  def _embed(self, tokens, positions):
+    # [B, S, D]
+    x = jnp.take(self.embed[...], tokens, axis=0)
+    if self.position_embed is not None:
+      x = x + jnp.take(self.position_embed[...], positions, axis=0)
+    return x
+
+  def _lm_head(self, x):
+    """Final norm and vocabulary projection, float32 logits [..., V]."""
+    x = _norm(x, self.final_norm_scale[...], self._value("final_norm_bias"), self.config.norm_eps)
+    # [D, V]
+    head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    precision = jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None
+    return jnp.matmul(x, head, precision=precision, preferred_element_type=jnp.float32)
+
+  def _block(self, x, w, positions, attend):
+    """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H]."""
+    c = self.config
+    batch, seq, _ = x.shape
+    h = _norm(x, w["attn_norm_scale"], w.get("attn_norm_bias"), c.norm_eps)
+    # [B, S, (Nq + 2K) * H]
+    qkv = _matmul(h, w["qkv_kernel"])
+    if "qkv_bias" in w:
+      qkv = qkv + w["qkv_bias"]
+    q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q = qkv[..., :q_width].reshape(batch, seq, c.num_heads, c.head_dim)
+    k = qkv[..., q_width:q_width + kv_width].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    v = qkv[..., q_width + kv_width:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    if c.uses_rope:
+      inv_freq = jnp.asarray(rope_inverse_frequencies(c))
+      q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
+    attn = attend(q, k, v).reshape(batch, seq, q_width)
+    x = x + _matmul(attn, w["out_kernel"])
+    if "out_bias" in w:
+      x = x + w["out_bias"]
+    h = _norm(x, w["mlp_norm_scale"], w.get("mlp_norm_bias"), c.norm_eps)
+    # [B, S, F] or [B, S, 2F] = [gate | up]
+    u = _matmul(h, w["mlp_in_kernel"])
+    if "mlp_in_bias" in w:
+      u = u + w["mlp_in_bias"]
+    if c.gated_mlp:
+      gate, up = jnp.split(u, 2, axis=-1)
+      a = _ACTIVATIONS[c.activation](gate) * up
+    else:
+      a = _ACTIVATIONS[c.activation](u)
+    x = x + _matmul(a, w["mlp_out_kernel"])
+    if "mlp_out_bias" in w:
+      x = x + w["mlp_out_bias"]
+    return x
+
+  @property
+  def _sm_scale(self) -> float:
+    return 1.0 / math.sqrt(self.config.head_dim)
+
+  # ----------------------------------------------------------------------------------------------
+  # Forward paths
+
+  def logits(self, tokens, *, attention: Backend = "xla"):
+    """Full-sequence logits without cache.
+
+    Args:
+      tokens: int32 [B, S].
+    Returns:
+      float32 [B, S, V].
+    """
+    batch, seq = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    lengths = jnp.full((batch,), seq, jnp.int32)
+
+    def attend(q, k, v):
+      return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention)
+
+    def body(x, w):
+      return self._block(x, w, positions, attend), None
+
+    x, _ = jax.lax.scan(body, self._embed(tokens, positions), self._layer_weights())
+    return self._lm_head(x)
+
+  def prefill(self, tokens, lengths, cache: KVCache, *, attention: Backend = "xla"):
+    """Run right-padded prompts, writing their keys and values to cache[:, :, :S].
+
+    Args:
+      tokens: int32 [B, S], right-padded; lengths: int32 [B], real tokens per row (0 for an
+        unused padding row); cache: a `KVCache` with at least B rows and T >= S; rows [0, B)
+        are written, the others are left as they are.
+    Returns:
+      (float32 [B, V] logits of each row's last real token, updated cache).
+    """
+    batch, seq = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+
+    def body(carry, xs):
+      x, k_all, v_all = carry
+      w, layer = xs
+      written = {}
+
+      def attend(q, k, v):
+        written["k"], written["v"] = k, v
+        return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention)
+
+      x = self._block(x, w, positions, attend)
+      start = (layer, 0, 0, 0, 0)
+      # [L, B, T, K, H] <- [1, B, S, K, H] at (layer, 0, 0)
+      k_all = jax.lax.dynamic_update_slice(k_all, written["k"][None].astype(k_all.dtype), start)
+      v_all = jax.lax.dynamic_update_slice(v_all, written["v"][None].astype(v_all.dtype), start)
+      return (x, k_all, v_all), None
+
+    layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    carry = (self._embed(tokens, positions), cache.k, cache.v)
+    (x, k_all, v_all), _ = jax.lax.scan(body, carry, (self._layer_weights(), layers))
+    # [B, D]: the hidden state of each row's last real token.
+    last = jnp.maximum(lengths - 1, 0)
+    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    return self._lm_head(x_last), KVCache(k=k_all, v=v_all)
+
+  def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla"):
+    """One decode step: each row's token is written at its own position and attends to the
+    cache up to and including it.
+
+    Args:
+      tokens: int32 [B]; positions: int32 [B], each < T; cache: `KVCache` [L, B', T, K, H] with
+        B' >= B; rows [0, B) are used and written.
+    Returns:
+      (float32 [B, V] next-token logits, updated cache).
+    """
+    batch = tokens.shape[0]
+    rows = jnp.arange(batch)
+
+    def body(carry, xs):
+      x, k_all, v_all = carry
+      w, layer = xs
+      cache_out = {}
+
+      def attend(q, k, v):
+        # k, v [B, 1, K, H] -> cache[layer, b, positions[b]], in place.
+        k_new = k_all.at[layer, rows, positions].set(k[:, 0].astype(k_all.dtype))
+        v_new = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
+        cache_out["k"], cache_out["v"] = k_new, v_new
+        out = decode_attention(q[:, 0], k_new[layer, :batch], v_new[layer, :batch], positions + 1,
+                               sm_scale=self._sm_scale, backend=attention)
+        return out[:, None]
+
+      x = self._block(x, w, positions[:, None], attend)
+      return (x, cache_out["k"], cache_out["v"]), None
+
+    layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    carry = (self._embed(tokens[:, None], positions[:, None]), cache.k, cache.v)
+    (x, k_all, v_all), _ = jax.lax.scan(body, carry, (self._layer_weights(), layers))
+    return self._lm_head(x[:, 0]), KVCache(k=k_all, v=v_all)

@@ -1,0 +1,360 @@
+"""Hugging Face checkpoints -> `DecoderConfig` and stacked weights.
+
+Reads a local checkpoint directory (config.json with model.safetensors, or a sharded
+model.safetensors.index.json) or an in-memory PyTorch state_dict, for GPT2LMHeadModel and
+LlamaForCausalLM. The conversion is exhaustive: every expected tensor is consumed and its shape
+checked, unknown tensors are errors, and config fields that would change the math but are not
+implemented are rejected. torch is never imported here; torch tensors are converted duck-typed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from models.config import DecoderConfig, RopeScaling
+
+DTYPES: dict[str, Any] = {
+    "float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+SUPPORTED_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM")
+
+# Non-parameter buffers that some checkpoints carry.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+class CheckpointError(ValueError):
+  """A checkpoint or its config cannot be loaded as written."""
+
+
+def numpy_dtype(dtype: str | Any):
+  """Map "float32" / "bfloat16" / "float16" (or a dtype) to the NumPy dtype; ValueError otherwise."""
+  if isinstance(dtype, str):
+    if dtype not in DTYPES:
+      raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+  name = np.dtype(dtype).name
+  if name not in DTYPES:
+    raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {name!r}")
+  return DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json
+
+
+def _architecture(hf: Mapping[str, Any]) -> str:
+  archs = hf.get("architectures") or []
+  for arch in archs:
+    if arch in SUPPORTED_ARCHITECTURES:
+      return arch
+  model_type = hf.get("model_type")
+  if not archs and model_type in ("gpt2", "llama"):
+    return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type]
+  raise CheckpointError(
+      f"unsupported architecture {archs or model_type!r}; supported: {SUPPORTED_ARCHITECTURES}")
+
+
+def _reject(hf: Mapping[str, Any], field: str, allowed: Callable[[Any], bool], why: str):
+  if field in hf and not allowed(hf[field]):
+    raise CheckpointError(f"config field {field}={hf[field]!r} is not supported: {why}")
+
+
+def _eos(value) -> tuple[int, ...]:
+  if value is None:
+    return ()
+  return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+  """RoPE theta and scaling from the transformers 5.x (`rope_parameters`) or 4.x layout."""
+  params = hf.get("rope_parameters")
+  if params is not None:
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = params
+  else:
+    theta = hf.get("rope_theta", 10000.0)
+    scaling = hf.get("rope_scaling")
+  if not scaling:
+    return float(theta), None
+  rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+  if rope_type not in ("default", "linear", "llama3"):
+    raise CheckpointError(
+        f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+  if rope_type == "default":
+    return float(theta), None
+  fields = {"rope_type": rope_type, "factor": float(scaling["factor"])}
+  if rope_type == "llama3":
+    for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+      if name not in scaling:
+        raise CheckpointError(f"llama3 rope scaling needs {name!r}; got {dict(scaling)}")
+      fields[name] = type(getattr(RopeScaling(), name))(scaling[name])
+  return float(theta), RopeScaling(**fields)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
+  """Translate a Hugging Face config dict (config.json) into a `DecoderConfig`.
+
+  Raises:
+    CheckpointError: unsupported architecture, an unsupported option that changes the math,
+      or an inconsistent shape (e.g. hidden size not divisible by the number of heads).
+  """
+  arch = _architecture(hf)
+  try:
+    if arch == "GPT2LMHeadModel":
+      return _gpt2_config(hf)
+    return _llama_config(hf)
+  except KeyError as err:
+    raise CheckpointError(f"config.json of {arch} lacks the field {err.args[0]!r}") from None
+  except CheckpointError:
+    raise
+  except ValueError as err:  # DecoderConfig's own consistency checks
+    raise CheckpointError(f"inconsistent {arch} config: {err}") from None
+
+
+def _gpt2_config(hf: Mapping[str, Any]) -> DecoderConfig:
+  _reject(hf, "scale_attn_by_inverse_layer_idx", lambda v: not v, "layer-index attention scaling")
+  _reject(hf, "scale_attn_weights", bool, "unscaled attention")
+  _reject(hf, "add_cross_attention", lambda v: not v, "cross-attention (encoder-decoder)")
+  activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+  act = hf.get("activation_function", "gelu_new")
+  if act not in activations:
+    raise CheckpointError(
+        f"config field activation_function={act!r} is not supported: use one of {tuple(activations)}")
+  hidden, heads = int(hf["n_embd"]), int(hf["n_head"])
+  if hidden % heads:
+    raise CheckpointError(f"inconsistent GPT2LMHeadModel config: n_embd ({hidden}) is not "
+                          f"divisible by n_head ({heads})")
+  return DecoderConfig(
+      family="gpt2", vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+      num_layers=int(hf["n_layer"]), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+      intermediate_size=int(hf.get("n_inner") or 4 * hidden),
+      max_position_embeddings=int(hf["n_positions"]),
+      norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=True,
+      mlp_bias=True, activation=activations[act], bos_token_id=hf.get("bos_token_id"),
+      eos_token_id=_eos(hf.get("eos_token_id")))
+
+
+def _llama_config(hf: Mapping[str, Any]) -> DecoderConfig:
+  _reject(hf, "hidden_act", lambda v: v == "silu", "only SwiGLU with silu is implemented")
+  _reject(hf, "pretraining_tp", lambda v: v in (None, 1), "tensor-parallel pretraining splits")
+  hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+  head_dim = hf.get("head_dim")
+  if head_dim is None:
+    if hidden % heads:
+      raise CheckpointError(f"inconsistent LlamaForCausalLM config: hidden_size ({hidden}) is "
+                            f"not divisible by num_attention_heads ({heads}) and no head_dim")
+    head_dim = hidden // heads
+  theta, scaling = _rope(hf)
+  return DecoderConfig(
+      family="llama", vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+      num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=int(head_dim),
+      intermediate_size=int(hf["intermediate_size"]),
+      max_position_embeddings=int(hf["max_position_embeddings"]),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
+      activation="silu", rope_theta=theta, rope_scaling=scaling,
+      bos_token_id=hf.get("bos_token_id"), eos_token_id=_eos(hf.get("eos_token_id")))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _to_numpy(tensor) -> np.ndarray:
+  """A NumPy view of a NumPy, JAX or PyTorch tensor (torch bfloat16 goes through float32)."""
+  if hasattr(tensor, "detach"):  # torch.Tensor, without importing torch
+    tensor = tensor.detach().cpu()
+    if str(tensor.dtype) == "torch.bfloat16":
+      return tensor.float().numpy().astype(ml_dtypes.bfloat16)
+    return tensor.numpy()
+  return np.asarray(tensor)
+
+
+def _canonical(name: str) -> str:
+  for prefix in ("transformer.", "model."):
+    if name.startswith(prefix):
+      return name[len(prefix):]
+  return name
+
+
+def _layer_tensors(config: DecoderConfig) -> dict[str, list[tuple[str, tuple[int, ...], bool]]]:
+  """Per weight kind: the HF tensors (name template, HF shape, transpose?) concatenated into it."""
+  c = config
+  d, f = c.hidden_size, c.intermediate_size
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  if c.family == "gpt2":  # Conv1D weights are stored [in, out] already.
+    return {
+        "attn_norm_scale": [("h.{i}.ln_1.weight", (d,), False)],
+        "attn_norm_bias": [("h.{i}.ln_1.bias", (d,), False)],
+        "qkv_kernel": [("h.{i}.attn.c_attn.weight", (d, 3 * d), False)],
+        "qkv_bias": [("h.{i}.attn.c_attn.bias", (3 * d,), False)],
+        "out_kernel": [("h.{i}.attn.c_proj.weight", (d, d), False)],
+        "out_bias": [("h.{i}.attn.c_proj.bias", (d,), False)],
+        "mlp_norm_scale": [("h.{i}.ln_2.weight", (d,), False)],
+        "mlp_norm_bias": [("h.{i}.ln_2.bias", (d,), False)],
+        "mlp_in_kernel": [("h.{i}.mlp.c_fc.weight", (d, f), False)],
+        "mlp_in_bias": [("h.{i}.mlp.c_fc.bias", (f,), False)],
+        "mlp_out_kernel": [("h.{i}.mlp.c_proj.weight", (f, d), False)],
+        "mlp_out_bias": [("h.{i}.mlp.c_proj.bias", (d,), False)],
+    }
+  # nn.Linear weights are stored [out, in]: transpose to [in, out].
+  attn, mlp = "layers.{i}.self_attn.", "layers.{i}.mlp."
+  kinds = {
+      "attn_norm_scale": [("layers.{i}.input_layernorm.weight", (d,), False)],
+      "qkv_kernel": [(attn + "q_proj.weight", (q, d), True), (attn + "k_proj.weight", (kv, d), True),
+                     (attn + "v_proj.weight", (kv, d), True)],
+      "out_kernel": [(attn + "o_proj.weight", (d, q), True)],
+      "mlp_norm_scale": [("layers.{i}.post_attention_layernorm.weight", (d,), False)],
+      "mlp_in_kernel": [(mlp + "gate_proj.weight", (f, d), True), (mlp + "up_proj.weight", (f, d), True)],
+      "mlp_out_kernel": [(mlp + "down_proj.weight", (d, f), True)],
+  }
+  if c.attention_bias:
+    kinds["qkv_bias"] = [(attn + "q_proj.bias", (q,), False), (attn + "k_proj.bias", (kv,), False),
+                         (attn + "v_proj.bias", (kv,), False)]
+    kinds["out_bias"] = [(attn + "o_proj.bias", (d,), False)]
+  if c.mlp_bias:
+    kinds["mlp_in_bias"] = [(mlp + "gate_proj.bias", (f,), False), (mlp + "up_proj.bias", (f,), False)]
+    kinds["mlp_out_bias"] = [(mlp + "down_proj.bias", (d,), False)]
+  return kinds
+
+
+def _global_tensors(config: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+  c = config
+  d, v = c.hidden_size, c.vocab_size
+  if c.family == "gpt2":
+    kinds = {"embed": ("wte.weight", (v, d), False),
+             "position_embed": ("wpe.weight", (c.max_position_embeddings, d), False),
+             "final_norm_scale": ("ln_f.weight", (d,), False),
+             "final_norm_bias": ("ln_f.bias", (d,), False)}
+  else:
+    kinds = {"embed": ("embed_tokens.weight", (v, d), False),
+             "final_norm_scale": ("norm.weight", (d,), False)}
+  if not c.tie_word_embeddings:
+    kinds["lm_head"] = ("lm_head.weight", (v, d), True)
+  return kinds
+
+
+def convert_weights(config: DecoderConfig, get: Callable[[str], Any], names: list[str],
+                    dtype="float32") -> dict[str, np.ndarray]:
+  """Assemble stacked weights from Hugging Face tensors.
+
+  Args:
+    config: the model config (from `config_from_hf`).
+    get: returns the tensor stored under one of `names` (original spelling).
+    names: every tensor name in the checkpoint.
+    dtype: target dtype name.
+  Returns:
+    {weight kind: NumPy array}, layer weights stacked [L, ...], ready for `Decoder`.
+  Raises:
+    CheckpointError: a tensor is missing, unexpected, or has the wrong shape.
+  """
+  target = numpy_dtype(dtype)
+  by_canonical: dict[str, str] = {}
+  for name in names:
+    by_canonical.setdefault(_canonical(name), name)
+  consumed: set[str] = set()
+
+  def fetch(canonical: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+    if canonical not in by_canonical:
+      raise CheckpointError(f"missing tensor {canonical!r} (expected shape {shape})")
+    array = _to_numpy(get(by_canonical[canonical]))
+    if tuple(array.shape) != shape:
+      raise CheckpointError(
+          f"tensor {canonical!r} has shape {tuple(array.shape)}, expected {shape}")
+    consumed.add(canonical)
+    array = array.astype(target, copy=False)
+    return array.T if transpose else array
+
+  weights: dict[str, np.ndarray] = {}
+  for kind, (name, shape, transpose) in _global_tensors(config).items():
+    weights[kind] = np.ascontiguousarray(fetch(name, shape, transpose))
+  for kind, parts in _layer_tensors(config).items():
+    per_layer = []
+    for i in range(config.num_layers):
+      pieces = [fetch(tpl.format(i=i), shape, tr) for tpl, shape, tr in parts]
+      per_layer.append(pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1))
+    weights[kind] = np.stack(per_layer)
+  tied_head = config.tie_word_embeddings and "lm_head.weight" in by_canonical
+  if tied_head:
+    consumed.add("lm_head.weight")  # a redundant copy of the tied embedding
+  unexpected = sorted(
+      c for c in by_canonical if c not in consumed and not c.endswith(_IGNORED_SUFFIXES))
+  if unexpected:
+    shown = ", ".join(repr(u) for u in unexpected[:5])
+    raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in checkpoint: {shown}")
+  return weights
+
+
+def convert_state_dict(config: DecoderConfig, state_dict: Mapping[str, Any],
+                       dtype="float32") -> dict[str, np.ndarray]:
+  """Stacked weights from an in-memory (PyTorch) state_dict."""
+  return convert_weights(config, state_dict.__getitem__, list(state_dict), dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoint directories
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+  """The parsed config.json of a checkpoint directory."""
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise CheckpointError(f"no config.json in checkpoint directory {os.fspath(path)!r}")
+  with open(config_path) as f:
+    return json.load(f)
+
+
+def _safetensors_files(path: str) -> dict[str, str]:
+  """Tensor name -> file path, from model.safetensors or a sharded index."""
+  from safetensors import safe_open
+
+  index_path = os.path.join(path, "model.safetensors.index.json")
+  single_path = os.path.join(path, "model.safetensors")
+  if os.path.isfile(index_path):
+    with open(index_path) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise CheckpointError(f"{index_path} has no 'weight_map' object")
+    for shard in sorted(set(weight_map.values())):
+      if not os.path.isfile(os.path.join(path, shard)):
+        raise CheckpointError(f"missing shard file {shard!r} listed in {index_path}")
+    return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+  if os.path.isfile(single_path):
+    with safe_open(single_path, framework="flax") as f:
+      return {name: single_path for name in f.keys()}
+  found = sorted(os.listdir(path))
+  raise CheckpointError(
+      f"no model.safetensors or model.safetensors.index.json in {path!r} (found: {found}); "
+      "only safetensors checkpoints are supported")
+
+
+def load_checkpoint(path: str | os.PathLike, dtype="float32") -> tuple[DecoderConfig, dict[str, np.ndarray]]:
+  """Load a local Hugging Face checkpoint directory.
+
+  Returns:
+    (config, stacked weights as host NumPy arrays in `dtype`).
+  """
+  from safetensors import safe_open
+
+  path = os.fspath(path)
+  config = config_from_hf(read_config(path))
+  files = _safetensors_files(path)
+  # Read on the host CPU backend so no tensor is staged through an accelerator.
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(jax.default_device(jax.local_devices(backend="cpu")[0]))
+    handles = {file: stack.enter_context(safe_open(file, framework="flax"))
+               for file in sorted(set(files.values()))}
+    weights = convert_weights(
+        config, lambda name: handles[files[name]].get_tensor(name), list(files), dtype)
+  return config, weights
