@@ -67,10 +67,12 @@ def _reject(hf: Mapping[str, Any], field: str, allowed: Callable[[Any], bool], w
     raise CheckpointError(f"config field {field}={hf[field]!r} is not supported: {why}")
 
 
-def _eos(value) -> tuple[int, ...]:
+def _eos(value, vocab_size: int) -> tuple[int, ...]:
+  """EOS ids inside the vocabulary (random test configs often carry GPT-2's 50256)."""
   if value is None:
     return ()
-  return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+  ids = [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+  return tuple(i for i in ids if 0 <= i < vocab_size)
 
 
 def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -140,7 +142,7 @@ def _gpt2_config(hf: Mapping[str, Any]) -> DecoderConfig:
       norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=True,
       mlp_bias=True, activation=activations[act], bos_token_id=hf.get("bos_token_id"),
-      eos_token_id=_eos(hf.get("eos_token_id")))
+      eos_token_id=_eos(hf.get("eos_token_id"), int(hf["vocab_size"])))
 
 
 def _llama_config(hf: Mapping[str, Any]) -> DecoderConfig:
@@ -164,7 +166,7 @@ def _llama_config(hf: Mapping[str, Any]) -> DecoderConfig:
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
       activation="silu", rope_theta=theta, rope_scaling=scaling,
-      bos_token_id=hf.get("bos_token_id"), eos_token_id=_eos(hf.get("eos_token_id")))
+      bos_token_id=hf.get("bos_token_id"), eos_token_id=_eos(hf.get("eos_token_id"), int(hf["vocab_size"])))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,5 @@
+import sys
+
+from cg_jax.cli import main
+
+sys.exit(main())
