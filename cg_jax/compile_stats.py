@@ -8,9 +8,11 @@ import warnings
 
 import jax
 
+# Emitted once per executable built, whether XLA compiled it or the persistent cache supplied it.
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
-_counts = {"compiles": 0, "compile_seconds": 0.0}
+_counts = {"compiles": 0, "compile_seconds": 0.0, "cache_hits": 0}
 _cache_dir: list[str | None] = []  # the directory configured first in this process, if any
 
 
@@ -21,12 +23,27 @@ def _on_duration(event: str, duration_secs: float, **_):
       _counts["compile_seconds"] += duration_secs
 
 
+def _on_event(event: str, **_):
+  if event == _CACHE_HIT_EVENT:
+    with _lock:
+      _counts["cache_hits"] += 1
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
 
 
 def compile_count() -> int:
-  """XLA backend compilations in this process so far (persistent-cache hits are not counted)."""
+  """Executables built in this process so far: XLA compilations plus persistent-cache loads.
+
+  Any increase on the request path means a shape or setting was not compiled at start-up.
+  """
   return _counts["compiles"]
+
+
+def cache_hit_count() -> int:
+  """Executables loaded from the persistent compilation cache instead of compiled."""
+  return _counts["cache_hits"]
 
 
 def compile_seconds() -> float:

@@ -325,6 +325,7 @@ class Engine:
         "compiles_since_warmup": None if self._compiles_at_warmup is None
         else count - self._compiles_at_warmup,
         "compile_seconds_total": compile_stats.compile_seconds(),
+        "persistent_cache_hits": compile_stats.cache_hit_count(),
         "executables": len(self._executables),
         "warmup_seconds": sum(self._compile_times.values()),
         "compilation_cache_dir": self.compilation_cache_dir,

@@ -1,0 +1,261 @@
+"""Engine: buckets, ahead-of-time warmup, sampling, streaming, device loop, validation."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cg_jax import Buckets, Engine, compile_stats
+from cg_jax.sampling import SamplingArrays, filter_logits, select_tokens
+from models import preset
+
+ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32),
+                      decode_loop_steps=4)
+
+
+@pytest.fixture(scope="module")
+def engine():
+  engine = Engine.from_pretrained("tiny-llama", **ENGINE_OPTIONS)
+  engine.warmup(progress=False)
+  return engine
+
+
+def _prompts(seed, sizes, vocab=263):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(2, vocab, (n,)).tolist() for n in sizes]
+
+
+# --------------------------------------------------------------------------------------------------
+# Buckets
+
+
+@given(st.integers(1, 64))
+@settings(max_examples=50, deadline=None)
+def test_bucket_is_smallest_fitting(n):
+  buckets = Buckets((1, 2, 4, 8, 16, 32, 64), (16, 32, 64))
+  bucket = buckets.batch_bucket(n)
+  assert bucket >= n
+  assert all(b < n for b in buckets.batch_sizes if b < bucket)
+
+
+def test_bucket_raises_when_nothing_fits():
+  buckets = Buckets.default(128, batch_sizes=(1, 4))
+  assert buckets.prompt_lengths == (16, 32, 64, 128)
+  assert buckets.length_bucket(17) == 32
+  with pytest.raises(ValueError, match="prompt length 129 fits no bucket.*1..128"):
+    buckets.length_bucket(129)
+  with pytest.raises(ValueError, match="batch size 5"):
+    buckets.batch_bucket(5)
+  assert buckets.split(9) == [(0, 4), (4, 8), (8, 9)]
+  with pytest.raises(ValueError, match="ascending"):
+    Buckets((4, 2), (16,))
+
+
+def test_large_batch_is_split_into_runs(engine):
+  prompts = _prompts(0, [3, 9, 5, 12, 7, 2, 30])  # 7 rows > largest bucket (4)
+  together = engine.generate(prompts, max_new_tokens=5, eos_token_id=[])
+  alone = [engine.generate([p], max_new_tokens=5, eos_token_id=[])[0] for p in prompts]
+  assert list(together) == alone
+
+
+# --------------------------------------------------------------------------------------------------
+# Warmup and compile counting
+
+
+def test_no_compiles_after_warmup(engine):
+  before = compile_stats.compile_count()
+  rng = np.random.default_rng(1)
+  for _ in range(50):
+    batch = int(rng.integers(1, 7))
+    sizes = rng.integers(1, 33, batch)
+    max_new = int(rng.integers(1, 64 - sizes.max() + 1))
+    sample = bool(rng.integers(0, 2))
+    engine.generate(
+        _prompts(int(rng.integers(1 << 30)), sizes), max_new_tokens=min(max_new, 6),
+        do_sample=sample, temperature=float(rng.uniform(0, 2)), top_k=int(rng.integers(0, 5)),
+        top_p=float(rng.uniform(0.1, 1.0)), seed=int(rng.integers(1 << 31)),
+        device_loop=bool(rng.integers(0, 2)), eos_token_id=[int(rng.integers(0, 263))])
+  assert compile_stats.compile_count() == before
+  assert engine.stats()["compiles_since_warmup"] == 0
+  assert engine.stats()["executables"] == len(engine.executable_keys())
+
+
+def test_compile_counter_counts(engine):
+  before = compile_stats.compile_count()
+  jnp.arange(7919).sum().block_until_ready()  # a shape nothing else uses
+  assert compile_stats.compile_count() > before
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation semantics
+
+
+def test_mixed_length_batch_equals_each_prompt_alone(engine):
+  prompts = _prompts(2, [1, 17, 6, 32])
+  together = engine.generate(prompts, max_new_tokens=12, eos_token_id=[])
+  for prompt, row in zip(prompts, together):
+    assert engine.generate([prompt], max_new_tokens=12, eos_token_id=[])[0] == row
+  assert [len(r) for r in together] == [12] * 4
+
+
+def test_same_seed_same_samples_and_batch_invariance(engine):
+  prompts = _prompts(3, [4, 9])
+  kwargs = dict(max_new_tokens=10, do_sample=True, temperature=1.5, seed=1234, eos_token_id=[])
+  first = engine.generate(prompts, **kwargs)
+  assert engine.generate(prompts, **kwargs) == first
+  assert engine.generate(prompts, **kwargs, device_loop=True) == first
+  # Row 0 of a one-row request uses the same key as row 0 of the batch.
+  assert engine.generate(prompts[:1], **kwargs)[0] == first[0]
+  assert engine.generate(prompts, **{**kwargs, "seed": 99}) != first
+
+
+def test_top_k_1_and_temperature_0_are_greedy(engine):
+  prompts = _prompts(4, [5, 11])
+  greedy = engine.generate(prompts, max_new_tokens=8, eos_token_id=[])
+  assert engine.generate(prompts, max_new_tokens=8, do_sample=True, top_k=1, temperature=3.0,
+                         seed=5, eos_token_id=[]) == greedy
+  assert engine.generate(prompts, max_new_tokens=8, do_sample=True, temperature=0.0,
+                         eos_token_id=[]) == greedy
+
+
+def test_top_p_keeps_only_the_nucleus():
+  probs = np.array([0.5, 0.3, 0.1, 0.05, 0.03, 0.02])
+  draws = 4000
+  logits = np.tile(np.log(probs), (draws, 1)).astype(np.float32)
+  sampling = SamplingArrays(
+      temperature=np.ones(draws, np.float32), top_k=np.zeros(draws, np.int32),
+      top_p=np.full(draws, 0.75, np.float32), seed=np.full(draws, 7, np.uint32),
+      row=np.arange(draws, dtype=np.int32))
+  tokens = np.asarray(select_tokens(jnp.asarray(logits), jnp.zeros(draws, jnp.int32), sampling))
+  assert set(np.unique(tokens)) == {0, 1}
+  share = np.mean(tokens == 0)
+  expected = 0.5 / 0.8
+  assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / draws)
+
+
+def test_filter_logits_top_k_and_top_p_combined():
+  logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]]))
+  kept = np.isfinite(np.asarray(filter_logits(logits, jnp.ones(1), jnp.array([3]), jnp.array([0.6]))))
+  np.testing.assert_array_equal(kept, [[False, True, False, True]])
+  kept = np.isfinite(np.asarray(filter_logits(logits, jnp.ones(1), jnp.array([0]), jnp.array([1.0]))))
+  assert kept.all()
+
+
+def test_eos_stops_each_row(engine):
+  prompts = _prompts(5, [3, 8, 13])
+  free = engine.generate(prompts, max_new_tokens=10, eos_token_id=[])
+  eos = free[1][3]  # the 4th token of row 1 becomes the EOS id
+  for device_loop in (False, True):
+    stopped = engine.generate(prompts, max_new_tokens=10, eos_token_id=[eos, 262],
+                              device_loop=device_loop)
+    for row_free, row in zip(free, stopped):
+      cut = row_free.index(eos) + 1 if eos in row_free else len(row_free)
+      assert row == row_free[:cut]
+    assert stopped[1][-1] == eos and len(stopped[1]) <= 4
+
+
+def test_stream_yields_the_generated_tokens(engine):
+  prompts = _prompts(6, [7, 2])
+  expected = engine.generate(prompts, max_new_tokens=9, eos_token_id=[])
+  for device_loop in (False, True):
+    collected = [[], []]
+    steps = []
+    for chunk in engine.stream(prompts, max_new_tokens=9, eos_token_id=[], device_loop=device_loop):
+      steps.append(chunk.step)
+      for row, token in chunk.tokens.items():
+        collected[row].append(token)
+    assert collected == list(expected)
+    assert steps == list(range(9))
+
+
+def test_stats_are_reported(engine):
+  result = engine.generate(_prompts(7, [5]), max_new_tokens=6, eos_token_id=[])
+  for key in ("ttft_s", "per_token_s", "tokens_per_s"):
+    assert result.stats[key] > 0
+  assert result.stats["new_tokens"] == 6
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation: host-side errors, and the engine is unchanged afterwards
+
+
+BAD_REQUESTS = [
+    (dict(inputs=[]), ValueError, "input_ids is empty"),
+    (dict(inputs=[[1, 2], []]), ValueError, r"input_ids\[1\] is empty"),
+    (dict(inputs=[[1, -1]]), ValueError, r"input_ids\[0\]\[1\] = -1 is out of range.*\[0, 262\]"),
+    (dict(inputs=[[1, 263]]), ValueError, r"= 263 is out of range"),
+    (dict(inputs=[[1, 2.0]]), TypeError, r"input_ids\[0\]\[1\] must be an int"),
+    (dict(inputs=[[True, 2]]), TypeError, "must be an int"),
+    (dict(inputs=np.zeros((2, 3), np.float32)), TypeError, "must hold integers"),
+    (dict(inputs=[1, 2, 3]), ValueError, "rank 2"),
+    (dict(inputs=np.zeros((1, 2, 3), np.int32)), ValueError, "rank 2"),
+    (dict(inputs=[[1] * 33]), ValueError, "33 tokens; the largest prompt-length bucket is 32"),
+    (dict(inputs=[[1] * 30], max_new_tokens=35), ValueError, "exceeds the context of 64.*1..34"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1, got 0"),
+    (dict(max_new_tokens=2.5), TypeError, "max_new_tokens must be an int"),
+    (dict(do_sample=True, temperature=-0.1), ValueError, "temperature must be a finite number >= 0"),
+    (dict(do_sample=True, temperature=float("nan")), ValueError, "temperature"),
+    (dict(do_sample=True, temperature=float("inf")), ValueError, "temperature"),
+    (dict(do_sample=True, top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(do_sample=True, top_p=1.5), ValueError, "top_p"),
+    (dict(do_sample=True, top_k=-1), ValueError, "top_k must be >= 0"),
+    (dict(do_sample=True, top_k=2.0), TypeError, "top_k must be an int"),
+    (dict(seed=-3), ValueError, "seed must be None or an int"),
+    (dict(eos_token_id=400), ValueError, "eos_token_id 400 is out of range"),
+    (dict(inputs="hello"), TypeError, "text prompts need a tokenizer"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, match", BAD_REQUESTS)
+def test_bad_requests_are_rejected_and_engine_unchanged(engine, overrides, error, match):
+  good = _prompts(8, [6, 3])
+  expected = engine.generate(good, max_new_tokens=7, eos_token_id=[])
+  request = dict(inputs=good, max_new_tokens=7)
+  request.update(overrides)
+  before = compile_stats.compile_count()
+  with pytest.raises(error, match=match):
+    engine.generate(**request)
+  with pytest.raises(error, match=match):
+    engine.stream(**request)  # raised at call time, not on first iteration
+  assert compile_stats.compile_count() == before
+  assert engine.generate(good, max_new_tokens=7, eos_token_id=[]) == expected
+
+
+def test_unknown_keyword_is_named(engine):
+  with pytest.raises(TypeError, match="temprature"):
+    engine.generate([[1, 2]], max_new_tokens=2, temprature=0.5)
+
+
+def test_abandoned_stream_leaves_engine_usable(engine):
+  prompts = _prompts(9, [5])
+  expected = engine.generate(prompts, max_new_tokens=6, eos_token_id=[])
+  stream = engine.stream(prompts, max_new_tokens=20, eos_token_id=[])
+  next(stream)
+  next(stream)
+  stream.close()
+  assert engine.generate(prompts, max_new_tokens=6, eos_token_id=[]) == expected
+
+
+def test_kv_cache_too_large_fails_at_construction():
+  with pytest.raises(ValueError, match=r"KV cache for max batch 32 x max_seq_len 131072 needs "
+                                       r"\d+ bytes"):
+    Engine(preset("llama-3.1-8b"), batch_buckets=(1, 32), max_seq_len=131072, dtype="bfloat16",
+           prompt_buckets=(16,))
+  with pytest.raises(ValueError, match="needs"):
+    Engine(preset("tiny-llama"), memory_limit_bytes=1000)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(max_seq_len=10_000), "max_seq_len must be an int in"),
+    (dict(attention="flash"), "attention must be one of"),
+    (dict(prompt_buckets=(16, 64), max_seq_len=64), "must be < max_seq_len"),
+    (dict(batch_buckets=()), "batch_sizes must be a non-empty"),
+    (dict(decode_loop_steps=0), "decode_loop_steps"),
+    (dict(dtype="int8"), "dtype must be one of"),
+])
+def test_bad_engine_options(options, match):
+  with pytest.raises(ValueError, match=match):
+    Engine(preset("tiny-gpt2"), **options)
