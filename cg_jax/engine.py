@@ -20,14 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cg_jax import compile_stats, text, validation
+from cg_jax import compile_stats, graphs as graph_modes, text, validation
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.sampling import SamplingArrays
 from cg_jax.steps import LoopState, SplitModel, StepFunctions
 from models import hf
 from models.attention import check_backend
 from models.config import PRESETS, DecoderConfig
-from models.decoder import Decoder, KVCache, cache_bytes, init_cache
+from models.decoder import LAYER_LOOPS, Decoder, KVCache, cache_bytes, init_cache
+
+
+PHASES = ("prefill", "first", "decode", "loop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +40,17 @@ class EngineConfig:
   max_seq_len: KV-cache length T (prompt + generated tokens per row).
   buckets: batch and prompt-length buckets; the cache holds `buckets.max_batch` rows.
   attention: attention backend ("xla" or "pallas").
+  layer_loop: "scan" (one while loop over layers) or "unroll" (straight-line layers).
+  graphs: CUDA-graph mode (`cg_jax.graphs.GRAPH_MODES`).
   decode_loop_steps: K, tokens per host call in the device loop.
-  compiler_options: XLA options applied to every executable (e.g. command-buffer settings).
+  compiler_options: XLA options applied to every executable (the graph mode's, plus extras).
   """
 
   max_seq_len: int
   buckets: Buckets
   attention: str = "xla"
+  layer_loop: str = "scan"
+  graphs: str = "xla-default"
   decode_loop_steps: int = 16
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
@@ -131,8 +138,10 @@ class Engine:
     batch_buckets: batch buckets (default 1, 2, 4, 8, 16, 32).
     prompt_buckets: prompt-length buckets (default powers of two from 16 up to max_seq_len).
     attention: "xla" (default) or "pallas".
+    layer_loop: "scan" (default) or "unroll".
+    graphs: CUDA-graph mode: "off", "xla-default" (default) or "full".
     decode_loop_steps: tokens generated per host call in the device loop.
-    compiler_options: XLA options for every executable, e.g. command-buffer settings.
+    compiler_options: extra XLA options for every executable, on top of the graph mode's.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off.
     memory_limit_bytes: override the device-memory budget used by the start-up check.
@@ -143,6 +152,7 @@ class Engine:
                dtype: str = "float32", tokenizer=None, max_seq_len: int | None = None,
                batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                prompt_buckets: Sequence[int] | None = None, attention: str = "xla",
+               layer_loop: str = "scan", graphs: str = "xla-default",
                decode_loop_steps: int = 16, compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):
@@ -150,6 +160,9 @@ class Engine:
     self.dtype = jnp.dtype(hf.numpy_dtype(dtype))
     self.tokenizer = tokenizer
     check_backend(attention)
+    if layer_loop not in LAYER_LOOPS:
+      raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    options = graph_modes.compiler_options(graphs, compiler_options)
     if max_seq_len is None:
       max_seq_len = min(config.max_position_embeddings, 2048)
     if not isinstance(max_seq_len, int) or not 2 <= max_seq_len <= config.max_position_embeddings:
@@ -164,9 +177,9 @@ class Engine:
     if not isinstance(decode_loop_steps, int) or decode_loop_steps < 1:
       raise ValueError(f"decode_loop_steps must be an int >= 1, got {decode_loop_steps!r}")
     self.config = EngineConfig(
-        max_seq_len=max_seq_len, buckets=buckets, attention=attention,
-        decode_loop_steps=decode_loop_steps,
-        compiler_options=tuple(sorted((compiler_options or {}).items())))
+        max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
+        graphs=graphs, decode_loop_steps=decode_loop_steps,
+        compiler_options=tuple(sorted(options.items())))
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
 
@@ -187,13 +200,13 @@ class Engine:
     nnx.replace_by_pure_dict(state, device_weights)
     flat, treedef = jax.tree.flatten(state)
     self._split = SplitModel(graphdef, treedef, flat)
-    self._steps = StepFunctions(self._split, attention, decode_loop_steps)
+    self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps)
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
     self._cache: KVCache | None = None
-    self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(t, attention=attention))
+    self._logits_fn = jax.jit(
+        lambda w, t: self._split.merge(w).logits(t, attention=attention, layer_loop=layer_loop))
     self._lock = threading.RLock()
-    self._warm = False
     self._compiles_at_warmup: int | None = None
 
   # ------------------------------------------------------------------------------------------------
@@ -218,6 +231,22 @@ class Engine:
     config = hf_config if isinstance(hf_config, DecoderConfig) else hf.config_from_hf(hf_config)
     return cls(config, hf.convert_state_dict(config, state_dict, dtype), dtype=dtype,
                **engine_options)
+
+  def weights(self) -> dict[str, jax.Array]:
+    """The device weights as {weight kind: array} (shared, not copied)."""
+    return nnx.to_pure_dict(jax.tree.unflatten(self._split.treedef, self._split.weights))
+
+  def with_options(self, **engine_options) -> "Engine":
+    """A new engine over the same device weights with other engine options (e.g. another graph
+    mode or layer loop), for side-by-side comparisons in one process."""
+    options = dict(dtype=self.dtype.name, tokenizer=self.tokenizer,
+                   max_seq_len=self.config.max_seq_len,
+                   batch_buckets=self.config.buckets.batch_sizes,
+                   prompt_buckets=self.config.buckets.prompt_lengths,
+                   attention=self.config.attention, layer_loop=self.config.layer_loop,
+                   graphs=self.config.graphs, decode_loop_steps=self.config.decode_loop_steps)
+    options.update(engine_options)
+    return Engine(self.model_config, self.weights(), **options)
 
   def _check_memory(self, limit: int | None) -> None:
     config, engine = self.model_config, self.config
@@ -272,43 +301,48 @@ class Engine:
     exe = self._executables.get(key)
     if exe is None:
       start = time.perf_counter()
-      options = dict(self.config.compiler_options) or None
-      exe = self._lower(key).compile(compiler_options=options) if options else self._lower(key).compile()
+      exe = self._lower(key).compile(compiler_options=dict(self.config.compiler_options))
       self._compile_times[key] = time.perf_counter() - start
       self._executables[key] = exe
     return exe
 
   def executable_keys(self, batch_sizes: Sequence[int] | None = None,
-                      prompt_lengths: Sequence[int] | None = None) -> list[tuple]:
-    """Every (phase, bucket) executable the request path can use."""
+                      prompt_lengths: Sequence[int] | None = None,
+                      phases: Sequence[str] = PHASES) -> list[tuple]:
+    """Every (phase, bucket) executable the request path can use, optionally restricted."""
     b = self.config.buckets
     batch_sizes = b.batch_sizes if batch_sizes is None else batch_sizes
     prompt_lengths = b.prompt_lengths if prompt_lengths is None else prompt_lengths
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+      raise ValueError(f"phases must be among {PHASES}, got {sorted(unknown)}")
     keys: list[tuple] = [("cache",)]
     for batch in batch_sizes:
-      keys += [("prefill", batch, length) for length in prompt_lengths]
+      if "prefill" in phases:
+        keys += [("prefill", batch, length) for length in prompt_lengths]
       for phase in ("first", "decode", "loop"):
-        keys += [(phase, batch, True), (phase, batch, False)]
+        if phase in phases:
+          keys += [(phase, batch, True), (phase, batch, False)]
     return keys
 
   def warmup(self, *, batch_sizes: Sequence[int] | None = None,
-             prompt_lengths: Sequence[int] | None = None, progress: bool = True) -> dict[str, float]:
+             prompt_lengths: Sequence[int] | None = None, phases: Sequence[str] = PHASES,
+             progress: bool = True) -> dict[str, float]:
     """Compile every (phase, bucket) executable ahead of time and allocate the KV cache.
 
     Args:
-      batch_sizes, prompt_lengths: restrict to these buckets (default: all).
+      batch_sizes, prompt_lengths, phases: restrict to these (default: all).
       progress: show a progress bar.
     Returns:
       {executable name: compile seconds} (small when served from the persistent cache).
     """
     from tqdm.auto import tqdm
 
-    keys = self.executable_keys(batch_sizes, prompt_lengths)
+    keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
     with self._lock:
       for key in tqdm(keys, desc="compiling", disable=not progress, unit="exe"):
         self._executable(key)
       self._ensure_cache()
-      self._warm = batch_sizes is None and prompt_lengths is None
       self._compiles_at_warmup = compile_stats.compile_count()
     return {"/".join(map(str, k)): self._compile_times.get(k, 0.0) for k in keys}
 
@@ -330,6 +364,8 @@ class Engine:
         "warmup_seconds": sum(self._compile_times.values()),
         "compilation_cache_dir": self.compilation_cache_dir,
         "attention": self.config.attention,
+        "layer_loop": self.config.layer_loop,
+        "graphs": self.config.graphs,
         "compiler_options": dict(self.config.compiler_options),
         "max_seq_len": self.config.max_seq_len,
         "batch_buckets": self.config.buckets.batch_sizes,

@@ -72,16 +72,22 @@ class StepFunctions:
   Args:
     split: the split model; its graphdef/treedef are baked into the traces.
     attention: attention backend name passed to the model.
+    layer_loop: "scan" or "unroll" (see `models.decoder`).
     loop_steps: K, tokens generated per device-loop call.
   """
 
   split: SplitModel
   attention: str
+  layer_loop: str
   loop_steps: int
+
+  @property
+  def _model_options(self):
+    return {"attention": self.attention, "layer_loop": self.layer_loop}
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)
-    return model.prefill(tokens, lengths, cache, attention=self.attention)
+    return model.prefill(tokens, lengths, cache, **self._model_options)
 
   @staticmethod
   def first_token(logits, positions, sampling: SamplingArrays | None):
@@ -89,7 +95,7 @@ class StepFunctions:
 
   def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
     model = self.split.merge(weights)
-    logits, cache = model.decode(tokens, positions, cache, attention=self.attention)
+    logits, cache = model.decode(tokens, positions, cache, **self._model_options)
     next_positions = positions + 1
     return select_tokens(logits, next_positions, sampling), next_positions, cache
 
@@ -110,7 +116,8 @@ class StepFunctions:
 
     def body(carry):
       step, state, out, cache = carry
-      logits, cache = model.decode(state.tokens, state.positions, cache, attention=self.attention)
+      logits, cache = model.decode(state.tokens, state.positions, cache,
+                                   **self._model_options)
       positions = jnp.where(state.done, state.positions, state.positions + 1)
       tokens = select_tokens(logits, positions, sampling)
       tokens = jnp.where(state.done, state.tokens, tokens)

@@ -122,6 +122,29 @@ def _norm(x, scale, bias, eps: float):
   return scale * normed.astype(x.dtype)
 
 
+LAYER_LOOPS = ("scan", "unroll")
+
+
+def _over_layers(body, carry, weights, num_layers: int, layer_loop: str):
+  """carry = body(carry, weights[layer], layer) for every layer.
+
+  "scan" is one `lax.scan` (a while loop in XLA: small program, fast compile); "unroll" traces
+  each layer with static slices of the stacked weights and a Python-int layer index
+  (straight-line code, which XLA's command buffers can capture without the WHILE command).
+  """
+  if layer_loop == "scan":
+    def step(carry, xs):
+      return body(carry, *xs), None
+    layers = jnp.arange(num_layers, dtype=jnp.int32)
+    carry, _ = jax.lax.scan(step, carry, (weights, layers))
+    return carry
+  if layer_loop != "unroll":
+    raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+  for layer in range(num_layers):
+    carry = body(carry, jax.tree.map(lambda a: a[layer], weights), layer)
+  return carry
+
+
 _ACTIVATIONS = {
     "gelu_tanh": lambda u: jax.nn.gelu(u, approximate=True),
     "gelu": lambda u: jax.nn.gelu(u, approximate=False),
@@ -240,7 +263,7 @@ class Decoder(nnx.Module):
   # ----------------------------------------------------------------------------------------------
   # Forward paths
 
-  def logits(self, tokens, *, attention: Backend = "xla"):
+  def logits(self, tokens, *, attention: Backend = "xla", layer_loop: str = "scan"):
     """Full-sequence logits without cache.
 
     Args:
@@ -255,13 +278,15 @@ class Decoder(nnx.Module):
     def attend(q, k, v):
       return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention)
 
-    def body(x, w):
-      return self._block(x, w, positions, attend), None
+    def body(x, w, layer):
+      return self._block(x, w, positions, attend)
 
-    x, _ = jax.lax.scan(body, self._embed(tokens, positions), self._layer_weights())
+    x = _over_layers(body, self._embed(tokens, positions), self._layer_weights(),
+                     self.config.num_layers, layer_loop)
     return self._lm_head(x)
 
-  def prefill(self, tokens, lengths, cache: KVCache, *, attention: Backend = "xla"):
+  def prefill(self, tokens, lengths, cache: KVCache, *, attention: Backend = "xla",
+              layer_loop: str = "scan"):
     """Run right-padded prompts, writing their keys and values to cache[:, :, :S].
 
     Args:
@@ -274,9 +299,8 @@ class Decoder(nnx.Module):
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
-    def body(carry, xs):
+    def body(carry, w, layer):
       x, k_all, v_all = carry
-      w, layer = xs
       written = {}
 
       def attend(q, k, v):
@@ -288,17 +312,18 @@ class Decoder(nnx.Module):
       # [L, B, T, K, H] <- [1, B, S, K, H] at (layer, 0, 0)
       k_all = jax.lax.dynamic_update_slice(k_all, written["k"][None].astype(k_all.dtype), start)
       v_all = jax.lax.dynamic_update_slice(v_all, written["v"][None].astype(v_all.dtype), start)
-      return (x, k_all, v_all), None
+      return x, k_all, v_all
 
-    layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
     carry = (self._embed(tokens, positions), cache.k, cache.v)
-    (x, k_all, v_all), _ = jax.lax.scan(body, carry, (self._layer_weights(), layers))
+    x, k_all, v_all = _over_layers(body, carry, self._layer_weights(), self.config.num_layers,
+                                   layer_loop)
     # [B, D]: the hidden state of each row's last real token.
     last = jnp.maximum(lengths - 1, 0)
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     return self._lm_head(x_last), KVCache(k=k_all, v=v_all)
 
-  def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla"):
+  def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
+             layer_loop: str = "scan"):
     """One decode step: each row's token is written at its own position and attends to the
     cache up to and including it.
 
@@ -311,9 +336,8 @@ class Decoder(nnx.Module):
     batch = tokens.shape[0]
     rows = jnp.arange(batch)
 
-    def body(carry, xs):
+    def body(carry, w, layer):
       x, k_all, v_all = carry
-      w, layer = xs
       cache_out = {}
 
       def attend(q, k, v):
@@ -326,9 +350,9 @@ class Decoder(nnx.Module):
         return out[:, None]
 
       x = self._block(x, w, positions[:, None], attend)
-      return (x, cache_out["k"], cache_out["v"]), None
+      return x, cache_out["k"], cache_out["v"]
 
-    layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
     carry = (self._embed(tokens[:, None], positions[:, None]), cache.k, cache.v)
-    (x, k_all, v_all), _ = jax.lax.scan(body, carry, (self._layer_weights(), layers))
+    x, k_all, v_all = _over_layers(body, carry, self._layer_weights(), self.config.num_layers,
+                                   layer_loop)
     return self._lm_head(x[:, 0]), KVCache(k=k_all, v=v_all)

@@ -1,0 +1,119 @@
+"""CUDA-graph modes on the GPU: decode-step latency and launch accounting per mode x model x batch.
+
+One process, one model's weights shared by every mode (Engine.with_options), bfloat16, KV cache
+1024 long, decode at position 512. Per row: step latency pipelined (token fed back on device),
+with the token read back every step, the device loop's per-token time, kernels / graph launches /
+outside-graph launches / memcpys per step, host dispatch per step (from the profile and from the
+call's return time) and the idle-gap share; greedy tokens are checked identical across modes.
+
+  PYTHONPATH=$PWD python3 benchmarks/graphs_bench.py --out $OUT [--models gpt2,llama-3.2-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import jax
+import numpy as np
+
+from cg_jax import Engine, profile
+from cg_jax.graphs import GRAPH_MODES
+
+HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy bandwidth of the H200 (shared/gpu-facts)
+
+
+def _commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("CG_JAX_COMMIT", "unknown")
+
+
+def floor_us(engine: Engine, batch: int, position: int) -> float:
+  """HBM floor: weight bytes + valid KV bytes read per step, over the copy bandwidth."""
+  c = engine.model_config
+  weight_bytes = c.num_parameters() * engine.dtype.itemsize
+  kv_bytes = 2 * c.num_layers * batch * position * c.num_kv_heads * c.head_dim * engine.dtype.itemsize
+  return (weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e6
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--models", default="gpt2,gpt2-large,llama-3.2-1b")
+  parser.add_argument("--batches", default="1,8")
+  parser.add_argument("--modes", default=",".join(GRAPH_MODES))
+  parser.add_argument("--layer-loops", default="scan,unroll")
+  parser.add_argument("--position", type=int, default=512)
+  parser.add_argument("--max-seq-len", type=int, default=1024)
+  parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+  parser.add_argument("--traces", default="gpt2", help="models whose batch-1 traces are kept")
+  args = parser.parse_args()
+  batches = [int(b) for b in args.batches.split(",")]
+  os.makedirs(args.out, exist_ok=True)
+  meta = dict(system="cg_jax", gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
+              commit=_commit(), date=datetime.date.today().isoformat(), dtype="bfloat16",
+              position=args.position, max_seq_len=args.max_seq_len)
+  rows, rows_path = [], os.path.join(args.out, "graphs_rows.json")
+  prompt = [[11, 22, 33, 44, 55, 66, 77]]
+  for model in args.models.split(","):
+    base = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=batches,
+                                  prompt_buckets=(16,), max_seq_len=args.max_seq_len,
+                                  compilation_cache=False)
+    reference_tokens = None
+    for layer_loop in args.layer_loops.split(","):
+      for mode in args.modes.split(","):
+        engine = base.with_options(graphs=mode, layer_loop=layer_loop, compilation_cache=False)
+        start = time.perf_counter()
+        engine.warmup(batch_sizes=[1], phases=("prefill", "first", "decode"), progress=False)
+        tokens = list(engine.generate(prompt, max_new_tokens=16, eos_token_id=[]))
+        reference_tokens = reference_tokens or tokens
+        for batch in batches:
+          engine.warmup(batch_sizes=[batch], phases=("decode", "loop"), progress=False)
+          compile_s = time.perf_counter() - start
+          row = dict(meta, mode=mode, layer_loop=layer_loop, model=model, batch=batch,
+                     compile_s=compile_s, tokens_match_reference=tokens == reference_tokens)
+          row.update(profile.time_decode(engine, batch, position=args.position))
+          row["step_readback_us"] = profile.time_decode(engine, batch, position=args.position,
+                                                        read_back=True)["step_us"]
+          row["device_loop_token_us"] = profile.time_device_loop(engine, batch,
+                                                                 position=args.position)
+          trace_dir = os.path.join("/tmp", f"trace_{model}_{layer_loop}_{mode}_{batch}")
+          report, trace_path = profile.profile_decode(engine, batch, position=args.position,
+                                                      logdir=trace_dir)
+          row.update(report.as_dict())
+          row["top_kernels"] = [list(k) for k in report.top_kernels]
+          row["floor_us"] = floor_us(engine, batch, args.position)
+          if model in args.traces.split(",") and batch == 1:
+            shutil.copy(trace_path, os.path.join(args.out, f"trace_{model}_{layer_loop}_{mode}.json.gz"))
+          rows.append(row)
+          with open(rows_path, "w") as f:
+            json.dump(rows, f, indent=1)
+          print(f"{model:13s} {layer_loop:6s} {mode:11s} B={batch:<2d} step {row['step_us']:8.1f} us "
+                f"readback {row['step_readback_us']:8.1f} loop {row['device_loop_token_us']:8.1f} "
+                f"kern {row['kernels_per_step']:6.1f} graphs {row['graph_launches_per_step']:5.1f} "
+                f"launch {row['kernel_launches_outside_graphs_per_step']:6.1f} "
+                f"disp {row['host_dispatch_us']:6.1f}/{row['host_dispatch_wall_us']:6.1f} "
+                f"idle {row['idle_gap_share']:.2f} floor {row['floor_us']:.0f} "
+                f"match {row['tokens_match_reference']} compile {compile_s:.0f}s", flush=True)
+        del engine
+    del base
+
+  print("\nmodel          loop   mode        B   step_us  readback  loop/tok kern/step graphs/step "
+        "outside disp_us idle  floor")
+  for r in rows:
+    print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} {r['batch']:<3d} "
+          f"{r['step_us']:8.1f} {r['step_readback_us']:9.1f} {r['device_loop_token_us']:9.1f} "
+          f"{r['kernels_per_step']:9.1f} {r['graph_launches_per_step']:11.1f} "
+          f"{r['kernel_launches_outside_graphs_per_step']:7.1f} {r['host_dispatch_us']:7.1f} "
+          f"{r['idle_gap_share']:5.2f} {r['floor_us']:6.0f}")
+
+
+if __name__ == "__main__":
+  main()

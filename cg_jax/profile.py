@@ -1,0 +1,240 @@
+"""Launch accounting and decode-step timing from real profiles.
+
+`profile_decode(engine, batch)` runs N decode steps under `jax.profiler`, then `parse_trace`
+reads the Chrome-format trace and reports per step: GPU kernels executed, CUDA-graph launches,
+kernel launches outside graphs, memcpy operations, host time spent dispatching, GPU busy time
+and the idle-gap share of the device timeline. On CPU the same code runs and reports what exists
+there (no device streams, no graph launches).
+
+`time_decode(engine, batch)` times steps with the token fed back on the device (pipelined) or
+read back to the host each step, and the device loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.decoder import KVCache
+
+_MEMCPY = re.compile(r"memcpy|MemcpyHtoD|MemcpyDtoH|MemcpyDtoD|MemcpyH2D|MemcpyD2H|MemcpyD2D",
+                     re.IGNORECASE)
+_MEMSET = re.compile(r"memset", re.IGNORECASE)
+_GRAPH_LAUNCH = re.compile(r"GraphLaunch")
+_KERNEL_LAUNCH = re.compile(r"^cu(da)?LaunchKernel")
+# Host events that cover one Python-to-executable dispatch, most specific first.
+_DISPATCH = (re.compile(r"^PjitFunction"), re.compile(r"LoadedExecutable::Execute"),
+             re.compile(r"ExecuteHelper"))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchReport:
+  """Per-step launch accounting of a profiled run."""
+
+  steps: int
+  kernels_per_step: float
+  graph_launches_per_step: float
+  kernel_launches_outside_graphs_per_step: float
+  memcpy_per_step: float
+  host_dispatch_us: float
+  gpu_busy_us: float
+  device_window_us: float
+  idle_gap_share: float
+  dispatch_event: str | None
+  top_kernels: tuple[tuple[str, int], ...] = ()
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def _load_events(trace: str | dict) -> list[dict]:
+  if isinstance(trace, dict):
+    return trace["traceEvents"]
+  opener = gzip.open if trace.endswith(".gz") else open
+  with opener(trace, "rt") as f:
+    return json.load(f)["traceEvents"]
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+  total, end = 0.0, -float("inf")
+  for start, stop in sorted(intervals):
+    if stop <= end:
+      continue
+    total += stop - max(start, end)
+    end = stop
+  return total
+
+
+def parse_trace(trace: str | dict, steps: int) -> LaunchReport:
+  """Launch accounting from a Chrome-format trace (jax.profiler's *.trace.json.gz).
+
+  Args:
+    trace: a path to the trace file (gzipped or not) or its parsed JSON.
+    steps: decode steps run inside the trace, to report per-step numbers.
+  """
+  events = _load_events(trace)
+  process = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+  thread = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  device_pids = {pid for pid, name in process.items() if "/device:" in name and "CPU" not in name}
+  kernels, memcpys, busy = 0, 0, []
+  kernel_names: collections.Counter = collections.Counter()
+  graph_launches = kernel_launches = 0
+  dispatch: dict[str, list[tuple[float, float]]] = {p.pattern: [] for p in _DISPATCH}
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    name, start, duration = e.get("name", ""), float(e.get("ts", 0)), float(e.get("dur", 0))
+    if e["pid"] in device_pids:
+      lane = thread.get((e["pid"], e.get("tid")), "")
+      if _MEMCPY.search(name) or _MEMCPY.search(lane):
+        memcpys += 1
+      elif _MEMSET.search(name):
+        pass
+      elif "stream" in lane.lower() or lane == "" or "kernel" in lane.lower():
+        kernels += 1
+        kernel_names[name] += 1
+      else:
+        continue
+      busy.append((start, start + duration))
+      continue
+    if _GRAPH_LAUNCH.search(name):
+      graph_launches += 1
+    elif _KERNEL_LAUNCH.search(name):
+      kernel_launches += 1
+    for pattern in _DISPATCH:
+      if pattern.search(name):
+        dispatch[pattern.pattern].append((start, start + duration))
+        break
+  dispatch_event = next((p for p, d in dispatch.items() if d), None)
+  # Union of intervals: nested events of the same kind count once.
+  host_dispatch = _union_length(dispatch[dispatch_event]) if dispatch_event else 0.0
+  window = (max(b for _, b in busy) - min(a for a, _ in busy)) if busy else 0.0
+  busy_total = _union_length(busy)
+  per = float(steps)
+  return LaunchReport(
+      steps=steps, kernels_per_step=kernels / per, graph_launches_per_step=graph_launches / per,
+      kernel_launches_outside_graphs_per_step=kernel_launches / per,
+      memcpy_per_step=memcpys / per, host_dispatch_us=host_dispatch / per,
+      gpu_busy_us=busy_total / per, device_window_us=window / per,
+      idle_gap_share=(1.0 - busy_total / window) if window > 0 else 0.0,
+      dispatch_event=dispatch_event, top_kernels=tuple(kernel_names.most_common(8)))
+
+
+def find_trace(logdir: str) -> str:
+  """The Chrome-format trace file written by `jax.profiler.trace` under `logdir`."""
+  for pattern in ("**/*.trace.json.gz", "**/perfetto_trace.json.gz"):
+    found = sorted(glob.glob(os.path.join(logdir, pattern), recursive=True))
+    if found:
+      return found[-1]
+  raise FileNotFoundError(f"no trace file under {logdir}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Driving decode steps
+
+
+@dataclasses.dataclass
+class DecodeState:
+  """Inputs of repeated decode steps at a fixed starting position (for timing)."""
+
+  tokens: Any
+  positions: Any
+
+
+def _prepare(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, DecodeState]:
+  """Compile the greedy decode step for `batch`, fill the KV cache with random values (timing
+  on zeros can flatter), and return (step executable, start state)."""
+  if position + 1 >= engine.config.max_seq_len:
+    raise ValueError(f"position must be < max_seq_len - 1 ({engine.config.max_seq_len - 1}), "
+                     f"got {position}")
+  decode = engine._executable(("decode", engine.config.buckets.batch_bucket(batch), True))
+  cache = engine._ensure_cache()
+  key_k, key_v = jax.random.split(jax.random.key(seed))
+  engine._cache = KVCache(k=jax.random.normal(key_k, cache.k.shape, cache.k.dtype),
+                          v=jax.random.normal(key_v, cache.v.shape, cache.v.dtype))
+  bucket = engine.config.buckets.batch_bucket(batch)
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, engine.model_config.vocab_size, (bucket,)).astype(np.int32)
+  return decode, DecodeState(jnp.asarray(tokens), jnp.full((bucket,), position, jnp.int32))
+
+
+def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
+  """Run `steps` decode steps; returns (wall seconds, per-call host dispatch seconds)."""
+  tokens, positions = state.tokens, state.positions
+  weights = engine._split.weights
+  dispatch = []
+  jax.block_until_ready(engine._cache)
+  start = time.perf_counter()
+  for _ in range(steps):
+    call = time.perf_counter()
+    tokens, positions, engine._cache = decode(weights, engine._cache, tokens, positions, None)
+    dispatch.append(time.perf_counter() - call)
+    if read_back:
+      np.asarray(tokens)
+  jax.block_until_ready(tokens)
+  return time.perf_counter() - start, dispatch
+
+
+def time_decode(engine, batch: int, *, position: int = 512, steps: int = 64, repeats: int = 7,
+                read_back: bool = False) -> dict[str, float]:
+  """Median decode-step latency (us) over `repeats` runs of `steps` steps, and the median host
+  time to dispatch one step (the call's return time while the device is busy)."""
+  decode, state = _prepare(engine, batch, position)
+  _run_steps(engine, decode, state, steps, read_back)  # warm
+  walls, dispatch = [], []
+  for _ in range(repeats):
+    wall, calls = _run_steps(engine, decode, state, steps, read_back)
+    walls.append(wall / steps)
+    dispatch.extend(calls)
+  return {"step_us": statistics.median(walls) * 1e6,
+          "host_dispatch_wall_us": statistics.median(dispatch) * 1e6}
+
+
+def time_device_loop(engine, batch: int, *, position: int = 512, repeats: int = 7) -> float:
+  """Median per-token latency (us) of the greedy device loop (K tokens per host call)."""
+  from cg_jax.steps import LoopState
+
+  bucket = engine.config.buckets.batch_bucket(batch)
+  loop = engine._executable(("loop", bucket, True))
+  _, state = _prepare(engine, batch, position)
+  k = engine.config.decode_loop_steps
+  eos = np.full((8,), -1, np.int32)
+
+  def once():
+    loop_state = LoopState(tokens=state.tokens, positions=state.positions,
+                           done=jnp.zeros((bucket,), bool), budget=jnp.full((bucket,), k, jnp.int32))
+    jax.block_until_ready(engine._cache)
+    start = time.perf_counter()
+    _, out, engine._cache = loop(engine._split.weights, engine._cache, loop_state, eos, None)
+    np.asarray(out)
+    return (time.perf_counter() - start) / k
+
+  once()
+  return statistics.median(once() for _ in range(repeats)) * 1e6
+
+
+def profile_decode(engine, batch: int, *, position: int = 512, steps: int = 10,
+                   logdir: str | None = None) -> tuple[LaunchReport, str]:
+  """Profile `steps` pipelined decode steps; returns (report, trace path)."""
+  decode, state = _prepare(engine, batch, position)
+  _run_steps(engine, decode, state, 3, read_back=False)  # warm
+  logdir = logdir or tempfile.mkdtemp(prefix="cg_jax_profile_")
+  with jax.profiler.trace(logdir):
+    _run_steps(engine, decode, state, steps, read_back=False)
+  path = find_trace(logdir)
+  return parse_trace(path, steps), path
