@@ -288,11 +288,13 @@ class Engine:
     if phase == "first":
       logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
       return jax.jit(steps.first_token).lower(logits, i32(batch), sampling)
+    # The decode state (cache, tokens, positions) is donated, so each output reuses its input's
+    # buffer: addresses stay fixed from step to step and a CUDA graph replays without update.
     if phase == "decode":
-      return jax.jit(steps.decode, donate_argnums=(1,)).lower(weights, cache, i32(batch),
-                                                              i32(batch), sampling)
+      return jax.jit(steps.decode, donate_argnums=(1, 2, 3)).lower(weights, cache, i32(batch),
+                                                                   i32(batch), sampling)
     if phase == "loop":
-      return jax.jit(steps.decode_loop, donate_argnums=(1,)).lower(
+      return jax.jit(steps.decode_loop, donate_argnums=(1, 2)).lower(
           weights, cache, LoopState.spec(batch), i32(validation.MAX_EOS_IDS), sampling)
     raise KeyError(key)
 
