@@ -87,8 +87,14 @@ def main():
           row.update(profile.time_decode(engine, batch, position=args.position))
           row["step_readback_us"] = profile.time_decode(engine, batch, position=args.position,
                                                         read_back=True)["step_us"]
-          row["device_loop_token_us"] = (profile.time_device_loop(engine, batch, position=args.position)
-                                         if timed_loop else float("nan"))
+          row["device_loop_token_us"] = float("nan")
+          if timed_loop:
+            row["device_loop_token_us"] = profile.time_device_loop(engine, batch, position=args.position)
+            loop_report, _ = profile.profile_device_loop(engine, batch, position=args.position)
+            row["device_loop_k"] = engine.config.decode_loop_steps
+            row["device_loop_graph_launches_per_token"] = loop_report.graph_launches_per_step
+            row["device_loop_kernel_launches_outside_graphs_per_token"] = (
+                loop_report.kernel_launches_outside_graphs_per_step)
           trace_dir = os.path.join("/tmp", f"trace_{model}_{layer_loop}_{mode}_{batch}")
           report, trace_path = profile.profile_decode(engine, batch, position=args.position,
                                                       logdir=trace_dir)

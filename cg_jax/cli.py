@@ -38,7 +38,41 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--device-loop", action="store_true",
                    help="generate several tokens per host call inside one executable")
   gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+  prof = sub.add_parser("profile", help="launch accounting of decode steps from a real profile")
+  prof.add_argument("--model", required=True, help="checkpoint directory or preset name")
+  prof.add_argument("--batch", type=int, default=1)
+  prof.add_argument("--graphs", default="xla-default", help="off, xla-default or full")
+  prof.add_argument("--layer-loop", default="unroll", choices=("scan", "unroll"))
+  prof.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+  prof.add_argument("--max-seq-len", type=int, default=1024)
+  prof.add_argument("--position", type=int, default=512)
+  prof.add_argument("--steps", type=int, default=10)
+  prof.add_argument("--json", action="store_true", help="print one JSON object")
   return parser
+
+
+def run_profile(args) -> int:
+  from cg_jax import profile
+  from cg_jax.engine import Engine
+
+  engine = Engine.from_pretrained(args.model, dtype=args.dtype, batch_buckets=[args.batch],
+                                  prompt_buckets=[16], max_seq_len=args.max_seq_len,
+                                  graphs=args.graphs, layer_loop=args.layer_loop)
+  timing = profile.time_decode(engine, args.batch, position=args.position)
+  report, trace = profile.profile_decode(engine, args.batch, position=args.position,
+                                         steps=args.steps)
+  result = dict(report.as_dict(), **timing, trace=trace, graphs=args.graphs,
+                layer_loop=args.layer_loop, device=str(engine.weights()["embed"].devices()))
+  if args.json:
+    print(json.dumps(result))
+    return 0
+  for key in ("step_us", "host_dispatch_wall_us", "kernels_per_step", "graph_launches_per_step",
+              "kernel_launches_outside_graphs_per_step", "memcpy_per_step", "host_dispatch_us",
+              "gpu_busy_us", "idle_gap_share"):
+    print(f"{key:42s} {result[key]:10.2f}")
+  print(f"trace: {trace}")
+  return 0
 
 
 def generate(args) -> int:
@@ -76,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     if args.command == "generate":
       return generate(args)
+    if args.command == "profile":
+      return run_profile(args)
   except (ValueError, TypeError) as err:
     print(f"error: {err}", file=sys.stderr)
     return 2

@@ -204,8 +204,8 @@ def time_decode(engine, batch: int, *, position: int = 512, steps: int = 64, rep
           "host_dispatch_wall_us": statistics.median(dispatch) * 1e6}
 
 
-def time_device_loop(engine, batch: int, *, position: int = 512, repeats: int = 7) -> float:
-  """Median per-token latency (us) of the greedy device loop (K tokens per host call)."""
+def _device_loop_runner(engine, batch: int, position: int):
+  """A function running one greedy device-loop call of K tokens (cache pre-filled at random)."""
   from cg_jax.steps import LoopState
 
   bucket = engine.config.buckets.batch_bucket(batch)
@@ -221,10 +221,29 @@ def time_device_loop(engine, batch: int, *, position: int = 512, repeats: int = 
     start = time.perf_counter()
     _, out, engine._cache = loop(engine._split.weights, engine._cache, loop_state, eos, None)
     np.asarray(out)
-    return (time.perf_counter() - start) / k
+    return time.perf_counter() - start
 
+  return once, k
+
+
+def time_device_loop(engine, batch: int, *, position: int = 512, repeats: int = 7) -> float:
+  """Median per-token latency (us) of the greedy device loop (K tokens per host call)."""
+  once, k = _device_loop_runner(engine, batch, position)
   once()
-  return statistics.median(once() for _ in range(repeats)) * 1e6
+  return statistics.median(once() for _ in range(repeats)) / k * 1e6
+
+
+def profile_device_loop(engine, batch: int, *, position: int = 512, calls: int = 3,
+                        logdir: str | None = None) -> tuple[LaunchReport, str]:
+  """Profile `calls` device-loop calls; the report is per generated token (calls x K)."""
+  once, k = _device_loop_runner(engine, batch, position)
+  once()
+  logdir = logdir or tempfile.mkdtemp(prefix="cg_jax_profile_")
+  with jax.profiler.trace(logdir):
+    for _ in range(calls):
+      once()
+  path = find_trace(logdir)
+  return parse_trace(path, calls * k), path
 
 
 def profile_decode(engine, batch: int, *, position: int = 512, steps: int = 10,

@@ -111,3 +111,12 @@ def test_persistent_cache_serves_the_second_start(tmp_path):
   assert runs[0]["persistent_cache_hits"] == 0
   # Every engine executable (and the weight initialiser) comes from the cache.
   assert runs[1]["persistent_cache_hits"] >= runs[1]["executables"] > 0
+
+
+def test_cli_profile_reports_per_step_numbers():
+  out = _run("profile", "--model", "tiny-gpt2", "--max-seq-len", "64", "--position", "20",
+             "--steps", "3", "--graphs", "full", "--json")
+  assert out.returncode == 0, out.stderr
+  report = json.loads(out.stdout)
+  assert report["steps"] == 3 and report["graphs"] == "full"
+  assert report["step_us"] > 0 and os.path.exists(report["trace"])
