@@ -56,10 +56,12 @@ def main():
   parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   parser.add_argument("--traces", default="gpt2", help="models whose batch-1 traces are kept")
   parser.add_argument("--loop-batches", default="1", help="batches that time the device loop")
+  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
   args = parser.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   os.makedirs(args.out, exist_ok=True)
   meta = dict(system="cg_jax", gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
+              attention=args.attention,
               commit=_commit(), date=datetime.date.today().isoformat(), dtype="bfloat16",
               position=args.position, max_seq_len=args.max_seq_len)
   rows, rows_path = [], os.path.join(args.out, "graphs_rows.json")
@@ -67,7 +69,7 @@ def main():
   for model in args.models.split(","):
     base = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=batches,
                                   prompt_buckets=(16,), max_seq_len=args.max_seq_len,
-                                  compilation_cache=False)
+                                  attention=args.attention, compilation_cache=False)
     reference_tokens = None
     for layer_loop, mode in itertools.product(args.layer_loops.split(","), args.modes.split(",")):
         engine = base.with_options(graphs=mode, layer_loop=layer_loop, compilation_cache=False)

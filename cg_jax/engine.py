@@ -25,7 +25,7 @@ from cg_jax.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.sampling import SamplingArrays
 from cg_jax.steps import LoopState, SplitModel, StepFunctions
 from models import hf
-from models.attention import check_backend
+from models.attention import check_backend, default_backend as default_attention
 from models.config import PRESETS, DecoderConfig
 from models.decoder import LAYER_LOOPS, Decoder, KVCache, cache_bytes, init_cache
 
@@ -137,7 +137,8 @@ class Engine:
     max_seq_len: KV-cache length per row (default: min(model context, 2048)).
     batch_buckets: batch buckets (default 1, 2, 4, 8, 16, 32).
     prompt_buckets: prompt-length buckets (default powers of two from 16 up to max_seq_len).
-    attention: "xla" (default) or "pallas".
+    attention: "pallas" (fused Pallas kernels; the default on GPU) or "xla" (the default
+      elsewhere; on CPU the Pallas kernels run in the interpreter, for tests).
     layer_loop: "scan" (default) or "unroll".
     graphs: CUDA-graph mode: "off", "xla-default" (default) or "full".
     decode_loop_steps: tokens generated per host call in the device loop.
@@ -151,7 +152,7 @@ class Engine:
   def __init__(self, config: DecoderConfig, weights: Mapping[str, Any] | None = None, *,
                dtype: str = "float32", tokenizer=None, max_seq_len: int | None = None,
                batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-               prompt_buckets: Sequence[int] | None = None, attention: str = "xla",
+               prompt_buckets: Sequence[int] | None = None, attention: str | None = None,
                layer_loop: str = "scan", graphs: str = "xla-default",
                decode_loop_steps: int = 16, compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
@@ -159,6 +160,7 @@ class Engine:
     self.model_config = config
     self.dtype = jnp.dtype(hf.numpy_dtype(dtype))
     self.tokenizer = tokenizer
+    attention = default_attention() if attention is None else attention
     check_backend(attention)
     if layer_loop not in LAYER_LOOPS:
       raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")

@@ -5,6 +5,8 @@ Two entry points, with the shapes the Pallas kernels of `cg_jax.kernels` will ta
   decode_attention(q, k_cache, v_cache, lengths): one query per sequence against its cache.
 
 `backend="xla"` is plain jnp (einsum, mask, softmax, einsum) and runs everywhere.
+`backend="pallas"` runs the fused kernels of `cg_jax.kernels` (flash attention for prefill,
+split-K decode attention); on a CPU backend they run in the Pallas interpreter (tests).
 Einsum letters: B batch, T query positions, S key positions, K kv heads, G queries per kv head,
 H head_dim.
 """
@@ -26,10 +28,14 @@ def check_backend(backend: str) -> None:
     raise ValueError(f"attention must be one of {BACKENDS}, got {backend!r}")
 
 
-def _pallas_not_available():
-  raise NotImplementedError(
-      "attention='pallas' needs cg_jax.kernels (Pallas flash/decode attention), not built yet; "
-      "use attention='xla'")
+def default_backend() -> str:
+  """"pallas" on GPU, "xla" elsewhere."""
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def _interpret() -> bool:
+  """Pallas kernels compile for GPUs only; elsewhere they run in the interpreter."""
+  return jax.default_backend() != "gpu"
 
 
 def _softmax_attention(q, k, v, mask, sm_scale):
@@ -66,7 +72,10 @@ def prefill_attention(q, k, v, lengths, *, sm_scale: float, backend: Backend = "
     [B, S, Hq, D]. Rows past a sequence's length hold unspecified (finite) values.
   """
   if backend == "pallas":
-    _pallas_not_available()
+    from cg_jax.kernels.flash_attention import flash_attention
+
+    return flash_attention(q, k, v, lengths, causal=True, sm_scale=sm_scale,
+                           interpret=_interpret())
   seq_len = q.shape[1]
   positions = jnp.arange(seq_len)
   # [B, S(query), S(key)]
@@ -84,7 +93,9 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
     [B, Hq, D].
   """
   if backend == "pallas":
-    _pallas_not_available()
+    from cg_jax.kernels.decode_attention import decode_attention as decode_kernel
+
+    return decode_kernel(q, k_cache, v_cache, lengths, sm_scale=sm_scale, interpret=_interpret())
   cache_len = k_cache.shape[1]
   # [B, 1, T]
   mask = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, None, :]

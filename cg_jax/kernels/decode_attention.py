@@ -1,0 +1,306 @@
+"""Flash-decoding attention for one new token per sequence over a right-padded KV cache (Pallas).
+
+Decode attention has a single query token per sequence, so a kernel that parallelised only over
+(batch, head) would leave most of the GPU idle for long caches. Flash-decoding also splits the
+cache along the key axis:
+
+  1. The cache is cut into splits of `split_size` keys. One Triton program runs per
+     (batch row, KV head, split). It holds every query head of its KV group (GQA) as the rows of
+     one [group, D] tile, so each key/value block it loads serves the whole group, and it walks its
+     split in blocks of `block_k` keys with an online softmax: a running max m, a running
+     denominator l and an unnormalised float32 accumulator. The trip count is dynamic: a program
+     reads only the blocks that hold keys below `lengths[b]`, and a split that lies entirely past
+     the length reads nothing and reports m = -inf, l = 0, acc = 0.
+  2. The per-split partials are combined in plain jnp: the max over splits, each split rescaled by
+     exp(m_split - m_max), summed, and divided by the summed denominator. A row with no valid key
+     (length 0) gets zeros, never NaN.
+
+Triton dots need every dimension >= 16 and power-of-two shapes, so the query group is padded with
+zero rows to max(16, next_pow2(Hq // Hkv)); padded rows are dropped at the end. Cache rows past the
+length (and past T, where T is not a multiple of the split) are never loaded: every key/value load
+is masked, so the cache is not copied or padded.
+
+`decode_attention_reference` is the same computation in plain jnp, the XLA fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Triton's tl.dot needs every operand dimension to be at least this large.
+_MIN_DOT_DIM = 16
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def _is_power_of_two(value: int) -> bool:
+  return value > 0 and value & (value - 1) == 0
+
+
+def _next_power_of_two(value: int) -> int:
+  return 1 << max(value - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+  """Block sizes and launch settings of the decode-attention kernel.
+
+  Attributes:
+    block_k: keys per inner-loop step (a power of two, >= 16 for Triton dots).
+    split_size: keys per split-K program (a power of two, a multiple of block_k). It is clamped to
+      the cache length rounded up to a power of two, so short caches run as one split.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining stages.
+  """
+
+  block_k: int = 64
+  split_size: int = 512
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_k", "split_size", "num_warps"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or not _is_power_of_two(value):
+        raise ValueError(f"DecodeAttentionConfig.{name} must be a positive power of two, "
+                         f"got {value!r}")
+    if self.block_k < _MIN_DOT_DIM:
+      raise ValueError(f"DecodeAttentionConfig.block_k must be >= {_MIN_DOT_DIM} (Triton dot), "
+                       f"got {self.block_k}")
+    if self.split_size % self.block_k:
+      raise ValueError(f"DecodeAttentionConfig.split_size ({self.split_size}) must be a multiple "
+                       f"of block_k ({self.block_k})")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"DecodeAttentionConfig.num_stages must be a positive int, "
+                       f"got {self.num_stages!r}")
+
+
+def _check_shapes(q, k_cache, v_cache, lengths) -> None:
+  """Raises ValueError, naming the argument and the shapes, for inconsistent inputs."""
+  shapes = (f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+            f"v_cache {tuple(v_cache.shape)}, lengths {tuple(lengths.shape)}")
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, Hq, D]; got {shapes}")
+  if k_cache.ndim != 4:
+    raise ValueError(f"k_cache must be [B, T, Hkv, D]; got {shapes}")
+  if v_cache.shape != k_cache.shape:
+    raise ValueError(f"v_cache must have the shape of k_cache; got {shapes}")
+  batch, num_q_heads, head_dim = q.shape
+  cache_batch, cache_len, num_kv_heads, cache_head_dim = k_cache.shape
+  if cache_batch != batch:
+    raise ValueError(f"k_cache batch must equal q batch; got {shapes}")
+  if cache_head_dim != head_dim:
+    raise ValueError(f"k_cache head_dim must equal q head_dim; got {shapes}")
+  if cache_len < 1:
+    raise ValueError(f"k_cache must hold at least one position; got {shapes}")
+  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    raise ValueError(f"q heads must be a multiple of k_cache heads (GQA); got {shapes}")
+  if lengths.shape != (batch,):
+    raise ValueError(f"lengths must be [B]; got {shapes}")
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"lengths must be an integer array; got dtype {lengths.dtype}")
+  if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    raise ValueError(f"q, k_cache and v_cache must share a dtype; got q {q.dtype}, "
+                     f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+
+
+def _combine_splits(split_acc, split_max, split_denom):
+  """Merges per-split online-softmax partials into normalised outputs.
+
+  Args:
+    split_acc: float32 [..., S, G, D] unnormalised sums of exp(score - split_max) * v.
+    split_max: float32 [..., S, G] running maxima (-inf for a split with no valid key).
+    split_denom: float32 [..., S, G] sums of exp(score - split_max) (0 for an empty split).
+  Returns:
+    float32 [..., G, D]; zeros where no split saw a valid key.
+  """
+  # [..., G]: a row with no valid key anywhere has max -inf; use 0 so exp(-inf - 0) = 0, not NaN.
+  global_max = jnp.max(split_max, axis=-2)
+  global_max = jnp.where(jnp.isfinite(global_max), global_max, 0.0)
+  # [..., S, G]
+  split_weight = jnp.exp(split_max - global_max[..., None, :])
+  # [..., G]
+  denom = jnp.sum(split_denom * split_weight, axis=-2)
+  # [..., G, D]
+  acc = jnp.sum(split_acc * split_weight[..., None], axis=-3)
+  return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, max_ref, denom_ref, *,
+                             sm_scale: float, block_k: int, split_size: int):
+  """One (batch row, KV head, split) program.
+
+  Refs: lengths_ref [] int32; q_ref [G, D]; k_ref, v_ref [split_size, D] (this split's window of
+  the cache, possibly reaching past T: rows at or past the length are never loaded);
+  acc_ref [G, D] f32; max_ref, denom_ref [G] f32.
+  """
+  group, head_dim = q_ref.shape
+  split_start = pl.program_id(2) * split_size
+  length = lengths_ref[()]
+  # Blocks of this split that hold at least one key below `length` (0 when the split is past it).
+  # Both operands are non-negative, so truncating and flooring division agree.
+  keys_left = jnp.maximum(length - split_start, 0)
+  num_blocks = jnp.minimum((keys_left + block_k - 1) // block_k, split_size // block_k)
+
+  # [G, D]
+  query = q_ref[...]
+
+  def attend_block(block_index, carry):
+    acc, row_max, denom = carry
+    block_start = block_index * block_k
+    # [block_k]
+    key_valid = split_start + block_start + jnp.arange(block_k) < length
+    # [block_k, D]; rows past the length are not read (they may lie past the end of the cache).
+    keys = pltriton.load(k_ref.at[pl.ds(block_start, block_k), :], mask=key_valid[:, None],
+                         other=0.0)
+    values = pltriton.load(v_ref.at[pl.ds(block_start, block_k), :], mask=key_valid[:, None],
+                           other=0.0)
+    # [G, block_k] = query [G, D] . keys [block_k, D]^T; HIGHEST keeps float32 off TF32.
+    scores = lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
+                             precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.where(key_valid[None, :], scores, -jnp.inf)
+    # [G]; every block in the loop has a valid key, so new_max is finite after the first block
+    # and exp(-inf - new_max) = 0 discards the initial state.
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+    rescale = jnp.exp(row_max - new_max)
+    # [G, block_k]
+    probs = jnp.exp(scores - new_max[:, None])
+    denom = denom * rescale + jnp.sum(probs, axis=1)
+    # [G, D] = probs [G, block_k] . values [block_k, D]
+    block_out = lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+                                precision=lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32)
+    acc = acc * rescale[:, None] + block_out
+    return acc, new_max, denom
+
+  initial = (jnp.zeros((group, head_dim), jnp.float32),
+             jnp.full((group,), -jnp.inf, jnp.float32),
+             jnp.zeros((group,), jnp.float32))
+  acc, row_max, denom = lax.fori_loop(0, num_blocks, attend_block, initial)
+  acc_ref[...] = acc
+  max_ref[...] = row_max
+  denom_ref[...] = denom
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
+                     config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                     interpret: bool = False):
+  """Single-token attention over a right-padded KV cache with a split-K Pallas/Triton kernel.
+
+  Args:
+    q: [B, Hq, D] queries of the new token, float32 or bfloat16.
+    k_cache, v_cache: [B, T, Hkv, D] caches in q's dtype; Hq must be a multiple of Hkv (GQA/MQA).
+      D must be a power of two >= 16 (Triton).
+    lengths: int [B] valid cache entries per row (keys 0..lengths[b]-1 attend); 0 is allowed and
+      gives zeros. Values are clamped to [0, T].
+    sm_scale: softmax scale, 1/sqrt(D) when None.
+    config: block sizes and launch settings.
+    interpret: run the kernel in the Pallas interpreter (CPU tests).
+  Returns:
+    [B, Hq, D] in q's dtype.
+  Raises:
+    ValueError: inconsistent shapes or dtypes, or a dtype/head_dim the kernel does not support.
+  """
+  _check_shapes(q, k_cache, v_cache, lengths)
+  batch, num_q_heads, head_dim = q.shape
+  _, cache_len, num_kv_heads, _ = k_cache.shape
+  if q.dtype not in _KERNEL_DTYPES:
+    raise ValueError(f"q dtype must be float32 or bfloat16 for the kernel; got {q.dtype}")
+  if not _is_power_of_two(head_dim) or head_dim < _MIN_DOT_DIM:
+    raise ValueError(f"q head_dim must be a power of two >= {_MIN_DOT_DIM} for the kernel; "
+                     f"got q {tuple(q.shape)} (use decode_attention_reference)")
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+
+  group = num_q_heads // num_kv_heads
+  padded_group = max(_MIN_DOT_DIM, _next_power_of_two(group))
+  block_k = config.block_k
+  # Short caches run as one split; the last split may reach past T (its loads are masked).
+  split_size = min(config.split_size, max(block_k, _next_power_of_two(cache_len)))
+  num_splits = pl.cdiv(cache_len, split_size)
+
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, cache_len)
+  # [B, Hkv, G, D] -> [B, Hkv, G_pad, D]; padded query rows are zeros and are dropped below.
+  grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
+  grouped_q = jnp.pad(grouped_q, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
+
+  kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
+                             split_size=split_size)
+  squeezed = pl.squeezed
+  cache_spec = pl.BlockSpec((squeezed, split_size, squeezed, head_dim),
+                            lambda b, h, s: (b, s, h, 0))
+  split_acc, split_max, split_denom = pl.pallas_call(
+      kernel,
+      grid=(batch, num_kv_heads, num_splits),
+      in_specs=[
+          pl.BlockSpec((squeezed,), lambda b, h, s: (b,)),
+          pl.BlockSpec((squeezed, squeezed, padded_group, head_dim),
+                       lambda b, h, s: (b, h, 0, 0)),
+          cache_spec,
+          cache_spec,
+      ],
+      out_specs=[
+          pl.BlockSpec((squeezed, squeezed, squeezed, padded_group, head_dim),
+                       lambda b, h, s: (b, h, s, 0, 0)),
+          pl.BlockSpec((squeezed, squeezed, squeezed, padded_group),
+                       lambda b, h, s: (b, h, s, 0)),
+          pl.BlockSpec((squeezed, squeezed, squeezed, padded_group),
+                       lambda b, h, s: (b, h, s, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_group, head_dim),
+                               jnp.float32),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_group), jnp.float32),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_group), jnp.float32),
+      ],
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="decode_attention",
+  )(lengths, grouped_q, k_cache, v_cache)
+
+  # [B, Hkv, G_pad, D] -> [B, Hq, D]
+  out = _combine_splits(split_acc, split_max, split_denom)
+  out = out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+  return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None):
+  """`decode_attention` in plain jnp (the XLA fallback): masked float32 softmax, GQA by reshape.
+
+  Same arguments and result as `decode_attention`, for any float dtype and head_dim.
+  """
+  _check_shapes(q, k_cache, v_cache, lengths)
+  batch, num_q_heads, head_dim = q.shape
+  _, cache_len, num_kv_heads, _ = k_cache.shape
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+  group = num_q_heads // num_kv_heads
+  # [B, Hkv, G, D]
+  grouped_q = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
+  # [B, Hkv, G, T]
+  scores = jnp.einsum("bhgd,bthd->bhgt", grouped_q, k_cache.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST) * sm_scale
+  # [B, 1, 1, T]
+  key_valid = (jnp.arange(cache_len)[None, :] < lengths.astype(jnp.int32)[:, None])[:, None, None]
+  scores = jnp.where(key_valid, scores, -jnp.inf)
+  # [B, Hkv, G, 1]; rows with no valid key get max 0 and all-zero weights.
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  weights = jnp.exp(scores - row_max)
+  denom = jnp.sum(weights, axis=-1, keepdims=True)
+  probs = weights / jnp.where(denom > 0, denom, 1.0)
+  # [B, Hkv, G, D]
+  out = jnp.einsum("bhgt,bthd->bhgd", probs, v_cache.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,180 @@
+"""Decode-attention kernel (interpret mode) and its jnp reference vs the float64 NumPy reference,
+plus determinism, shape validation and lowering for an H200."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
+                                             decode_attention_reference)
+from tests.kernels.kernel_test_base import (assert_kernel_close, attention_reference,
+                                            lower_for_h200, random_array)
+
+# Small blocks keep interpret mode fast and give several splits per row.
+SMALL_BLOCKS = DecodeAttentionConfig(block_k=16, split_size=32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  dtype: str
+  head_dim: int
+  num_q_heads: int
+  num_kv_heads: int
+  cache_len: int
+  lengths: tuple[int, ...]
+  config: DecodeAttentionConfig = SMALL_BLOCKS
+  sm_scale: float | None = None
+
+  def __str__(self):
+    return (f"{self.dtype}-D{self.head_dim}-Hq{self.num_q_heads}-Hkv{self.num_kv_heads}-"
+            f"T{self.cache_len}-len{'_'.join(map(str, self.lengths))}-"
+            f"bk{self.config.block_k}-split{self.config.split_size}")
+
+
+CASES = [
+    # GQA 4, T not a multiple of block_k; lengths 1, T and 0.
+    Case("float32", 64, 8, 2, 100, (1, 100, 0)),
+    # MHA (ratio 1), D 128, ten splits of 32; lengths off block and split boundaries.
+    Case("float32", 128, 2, 2, 300, (300, 77, 143), sm_scale=0.3),
+    # GQA 8: lengths on and around block/split boundaries, T = 129 (one key past a split).
+    Case("float32", 64, 16, 2, 129, (129, 64, 65)),
+    # MQA (one KV head, 4 query heads), short T = 37.
+    Case("bfloat16", 64, 4, 1, 37, (37, 17, 0)),
+    # bfloat16, D 128, GQA 8 on a single KV head, splits of 64.
+    Case("bfloat16", 128, 8, 1, 200, (1, 200, 131),
+         config=DecodeAttentionConfig(block_k=16, split_size=64)),
+    # The default config: split clamped to the short cache (one split, block_k 64).
+    Case("bfloat16", 64, 8, 2, 100, (100, 33)),
+]
+
+
+def make_inputs(case: Case, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  batch = len(case.lengths)
+  q = random_array(rng, (batch, case.num_q_heads, case.head_dim), case.dtype)
+  cache_shape = (batch, case.cache_len, case.num_kv_heads, case.head_dim)
+  k_cache = random_array(rng, cache_shape, case.dtype)
+  v_cache = random_array(rng, cache_shape, case.dtype)
+  lengths = jnp.asarray(case.lengths, jnp.int32)
+  return q, k_cache, v_cache, lengths
+
+
+def float64_reference(q, k_cache, v_cache, lengths, sm_scale=None):
+  """The shared [B, T, Hq, D] reference with T = 1 and a [B, 1, S] length mask."""
+  if sm_scale is None:
+    sm_scale = 1.0 / np.sqrt(q.shape[-1])
+  cache_len = k_cache.shape[1]
+  # [B, 1, S]
+  mask = np.arange(cache_len)[None, None, :] < np.asarray(lengths)[:, None, None]
+  return attention_reference(q[:, None], k_cache, v_cache, mask, sm_scale)[:, 0]
+
+
+def run_kernel(case: Case, q, k_cache, v_cache, lengths):
+  return decode_attention(q, k_cache, v_cache, lengths, sm_scale=case.sm_scale,
+                          config=case.config, interpret=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernel_matches_float64_reference(case):
+  inputs = make_inputs(case)
+  out = run_kernel(case, *inputs)
+  assert out.dtype == jnp.dtype(case.dtype)
+  reference = float64_reference(*inputs, sm_scale=case.sm_scale)
+  assert_kernel_close(out, reference, case.dtype, what=f"decode_attention[{case}]")
+  # A row with no valid key is exactly zero.
+  for row, length in enumerate(case.lengths):
+    if length == 0:
+      assert np.all(np.asarray(out[row], np.float32) == 0.0)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]], ids=str)
+def test_jnp_reference_matches_float64_reference(case):
+  inputs = make_inputs(case, seed=1)
+  out = decode_attention_reference(*inputs, sm_scale=case.sm_scale)
+  assert out.dtype == jnp.dtype(case.dtype)
+  reference = float64_reference(*inputs, sm_scale=case.sm_scale)
+  assert_kernel_close(out, reference, case.dtype, what="decode_attention_reference")
+
+
+def test_all_rows_empty_give_zeros():
+  case = Case("float32", 64, 4, 2, 40, (0, 0))
+  out = run_kernel(case, *make_inputs(case))
+  assert np.all(np.asarray(out) == 0.0)
+
+
+def test_lengths_past_cache_are_clamped():
+  case = Case("float32", 64, 4, 2, 40, (40, 7))
+  q, k_cache, v_cache, lengths = make_inputs(case)
+  out = run_kernel(case, q, k_cache, v_cache, jnp.asarray([1000, 7], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(run_kernel(case, q, k_cache, v_cache,
+                                                                       lengths)))
+
+
+def test_kernel_is_deterministic():
+  case = CASES[1]
+  inputs = make_inputs(case, seed=2)
+  first = np.asarray(run_kernel(case, *inputs))
+  second = np.asarray(run_kernel(case, *inputs))
+  assert first.tobytes() == second.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_lowers_to_triton_for_h200(dtype):
+  batch, cache_len, num_kv_heads, group, head_dim = 2, 1000, 4, 8, 128
+  specs = (jax.ShapeDtypeStruct((batch, num_kv_heads * group, head_dim), dtype),
+           jax.ShapeDtypeStruct((batch, cache_len, num_kv_heads, head_dim), dtype),
+           jax.ShapeDtypeStruct((batch, cache_len, num_kv_heads, head_dim), dtype),
+           jax.ShapeDtypeStruct((batch,), jnp.int32))
+  text = lower_for_h200(decode_attention, *specs)
+  assert "triton" in text.lower()
+
+
+def _shapes(batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, cache_len=32,
+            cache_head_dim=None, v_cache_len=None, lengths_shape=None, dtype=jnp.float32):
+  cache_head_dim = head_dim if cache_head_dim is None else cache_head_dim
+  v_cache_len = cache_len if v_cache_len is None else v_cache_len
+  lengths_shape = (batch,) if lengths_shape is None else lengths_shape
+  return (jnp.zeros((batch, num_q_heads, head_dim), dtype),
+          jnp.zeros((batch, cache_len, num_kv_heads, cache_head_dim), dtype),
+          jnp.zeros((batch, v_cache_len, num_kv_heads, cache_head_dim), dtype),
+          jnp.zeros(lengths_shape, jnp.int32))
+
+
+@pytest.mark.parametrize("fn", [decode_attention, decode_attention_reference],
+                         ids=["kernel", "reference"])
+@pytest.mark.parametrize("arguments, message", [
+    (_shapes(num_q_heads=6, num_kv_heads=4), "multiple of k_cache heads"),
+    (_shapes(cache_head_dim=128), "head_dim"),
+    (_shapes(lengths_shape=(3,)), "lengths"),
+    (_shapes(lengths_shape=(2, 1)), "lengths"),
+    (_shapes(v_cache_len=16), "v_cache"),
+    ((jnp.zeros((2, 64)),) + _shapes()[1:], "q must be"),
+], ids=["heads", "head_dim", "lengths_batch", "lengths_rank", "v_cache", "q_rank"])
+def test_bad_shapes_raise(fn, arguments, message):
+  with pytest.raises(ValueError, match=message):
+    fn(*arguments)
+
+
+def test_kernel_rejects_unsupported_head_dim_and_dtype():
+  with pytest.raises(ValueError, match="head_dim"):
+    decode_attention(*_shapes(head_dim=80), interpret=True)
+  with pytest.raises(ValueError, match="dtype"):
+    decode_attention(*_shapes(dtype=jnp.float16), interpret=True)
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(block_k=24), "block_k"),
+    (dict(block_k=8, split_size=64), "block_k"),
+    (dict(split_size=96), "split_size"),
+    (dict(block_k=128, split_size=64), "split_size"),
+    (dict(num_warps=3), "num_warps"),
+    (dict(num_stages=0), "num_stages"),
+])
+def test_config_validation(fields, name):
+  with pytest.raises(ValueError, match=name):
+    DecodeAttentionConfig(**fields)
