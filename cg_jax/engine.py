@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cg_jax import compile_stats, graphs as graph_modes, text, validation
+from cg_jax import compile_stats, graphs as graph_modes, host_io, text, validation
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.sampling import SamplingArrays
 from cg_jax.steps import LoopState, SplitModel, StepFunctions
@@ -43,6 +43,7 @@ class EngineConfig:
   layer_loop: "scan" (one while loop over layers) or "unroll" (straight-line layers).
   graphs: CUDA-graph mode (`cg_jax.graphs.GRAPH_MODES`).
   decode_loop_steps: K, tokens per host call in the device loop.
+  readback_lag: steps launched ahead of the one whose tokens the host reads (0: synchronous).
   compiler_options: XLA options applied to every executable (the graph mode's, plus extras).
   """
 
@@ -52,6 +53,7 @@ class EngineConfig:
   layer_loop: str = "scan"
   graphs: str = "xla-default"
   decode_loop_steps: int = 16
+  readback_lag: int = 1
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
@@ -71,6 +73,20 @@ class GenerationResult(list):
     super().__init__(tokens)
     self.texts = texts
     self.stats = stats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+  """One run of a request, padded to its bucket, inputs already staged on the device."""
+
+  row_start: int
+  real: int
+  batch: int
+  length: int
+  tokens: jax.Array
+  lengths: jax.Array
+  host_lengths: np.ndarray
+  sampling: SamplingArrays | None
 
 
 @dataclasses.dataclass
@@ -142,6 +158,8 @@ class Engine:
     layer_loop: "scan" (default) or "unroll".
     graphs: CUDA-graph mode: "off", "xla-default" (default) or "full".
     decode_loop_steps: tokens generated per host call in the device loop.
+    readback_lag: decode steps launched ahead of the step whose tokens are being read back
+      (asynchronous device-to-host copies); 0 reads every step synchronously.
     compiler_options: extra XLA options for every executable, on top of the graph mode's.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off.
@@ -154,7 +172,8 @@ class Engine:
                batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                prompt_buckets: Sequence[int] | None = None, attention: str | None = None,
                layer_loop: str = "scan", graphs: str = "xla-default",
-               decode_loop_steps: int = 16, compiler_options: Mapping[str, Any] | None = None,
+               decode_loop_steps: int = 16, readback_lag: int = 1,
+               compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):
     self.model_config = config
@@ -178,9 +197,11 @@ class Engine:
                        f"max_seq_len ({max_seq_len}) to leave room for a new token")
     if not isinstance(decode_loop_steps, int) or decode_loop_steps < 1:
       raise ValueError(f"decode_loop_steps must be an int >= 1, got {decode_loop_steps!r}")
+    if not isinstance(readback_lag, int) or not 0 <= readback_lag <= 8:
+      raise ValueError(f"readback_lag must be an int in [0, 8], got {readback_lag!r}")
     self.config = EngineConfig(
         max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
-        graphs=graphs, decode_loop_steps=decode_loop_steps,
+        graphs=graphs, decode_loop_steps=decode_loop_steps, readback_lag=readback_lag,
         compiler_options=tuple(sorted(options.items())))
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
@@ -206,6 +227,8 @@ class Engine:
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
     self._cache: KVCache | None = None
+    self._host_cache: KVCache | None = None  # the cache while swapped out to pinned host memory
+    self._device = jax.devices()[0]
     self._logits_fn = jax.jit(
         lambda w, t: self._split.merge(w).logits(t, attention=attention, layer_loop=layer_loop))
     self._lock = threading.RLock()
@@ -246,7 +269,8 @@ class Engine:
                    batch_buckets=self.config.buckets.batch_sizes,
                    prompt_buckets=self.config.buckets.prompt_lengths,
                    attention=self.config.attention, layer_loop=self.config.layer_loop,
-                   graphs=self.config.graphs, decode_loop_steps=self.config.decode_loop_steps)
+                   graphs=self.config.graphs, decode_loop_steps=self.config.decode_loop_steps,
+                   readback_lag=self.config.readback_lag)
     options.update(engine_options)
     return Engine(self.model_config, self.weights(), **options)
 
@@ -351,6 +375,8 @@ class Engine:
     return {"/".join(map(str, k)): self._compile_times.get(k, 0.0) for k in keys}
 
   def _ensure_cache(self) -> KVCache:
+    if self._host_cache is not None:
+      self.swap_in()
     if self._cache is None or self._cache.k.is_deleted() or self._cache.v.is_deleted():
       self._cache = self._executable(("cache",))()
     return self._cache
@@ -476,14 +502,27 @@ class Engine:
   # The decode loops
 
   def _run(self, request: _Request) -> Iterator[StreamChunk]:
-    """Run a validated request batch by batch; yields one chunk per step."""
+    """Run a validated request batch by batch; yields one chunk per step.
+
+    The next batch's inputs are staged (pinned host -> device) while the current one runs.
+    """
     with self._lock:
       start = time.perf_counter()
       first_token_at = None
       total_tokens = 0
       steps = 0
-      for run_start, run_stop in self.config.buckets.split(len(request.rows)):
-        for chunk in self._run_batch(request, run_start, run_stop):
+      runs = self.config.buckets.split(len(request.rows))
+      batch = self._prepare_batch(request, *runs[0])
+      for index in range(len(runs)):
+        following = runs[index + 1] if index + 1 < len(runs) else None
+        prepare_next = (lambda r=following: self._prepare_batch(request, *r)) if following else None
+        chunks = self._run_batch(request, batch, prepare_next)
+        while True:
+          try:
+            chunk = next(chunks)
+          except StopIteration as stop:
+            batch = stop.value
+            break
           if first_token_at is None:
             first_token_at = time.perf_counter()
           total_tokens += len(chunk.tokens)
@@ -495,9 +534,10 @@ class Engine:
           ttft_s=first_token_at - start, total_s=end - start, new_tokens=total_tokens,
           per_token_s=(end - first_token_at) / decode_steps,
           tokens_per_s=total_tokens / (end - start), device_loop=request.device_loop,
-          greedy=request.settings.greedy)
+          greedy=request.settings.greedy, readback_lag=self.config.readback_lag)
 
-  def _run_batch(self, request: _Request, row_start: int, row_stop: int) -> Iterator[StreamChunk]:
+  def _prepare_batch(self, request: _Request, row_start: int, row_stop: int) -> _Batch:
+    """Pad one run of rows to its bucket and stage its inputs on the device (asynchronously)."""
     rows = request.rows[row_start:row_stop]
     settings, real = request.settings, len(rows)
     buckets = self.config.buckets
@@ -514,42 +554,99 @@ class Engine:
       sampling = SamplingArrays.host(
           batch, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
           seed=settings.seed, rows=np.arange(row_start, row_stop))
-    greedy = settings.greedy
+    staged_tokens, staged_lengths, staged_sampling = host_io.stage(
+        (tokens, lengths, sampling), self._device)
+    return _Batch(row_start=row_start, real=real, batch=batch, length=length,
+                  tokens=staged_tokens, lengths=staged_lengths, host_lengths=lengths,
+                  sampling=staged_sampling)
+
+  def _run_batch(self, request: _Request, batch: _Batch, prepare_next) -> Iterator[StreamChunk]:
+    """Prefill and decode one staged batch; returns the next staged batch (or None)."""
+    settings, real, row_start = request.settings, batch.real, batch.row_start
+    greedy, sampling = settings.greedy, batch.sampling
     weights = self._split.weights
     eos = np.asarray(settings.eos_ids, np.int32)
+    lag = self.config.readback_lag
 
-    logits, self._cache = self._executable(("prefill", batch, length))(
-        weights, self._ensure_cache(), tokens, lengths)
-    next_tokens = self._executable(("first", batch, greedy))(logits, lengths, sampling)
-    host_tokens = np.asarray(next_tokens)
-    budget = np.full((batch,), request.max_new_tokens - 1, np.int32)
-    done = np.arange(batch) >= real
+    logits, self._cache = self._executable(("prefill", batch.batch, batch.length))(
+        weights, self._ensure_cache(), batch.tokens, batch.lengths)
+    first = self._executable(("first", batch.batch, greedy))(logits, batch.lengths, sampling)
+    first.copy_to_host_async()
+    following = prepare_next() if prepare_next else None  # overlaps this batch's compute
+    host_tokens = np.asarray(first)
+    budget = np.full((batch.batch,), request.max_new_tokens - 1, np.int32)
+    done = np.arange(batch.batch) >= real
     done |= np.isin(host_tokens, eos) | (budget <= 0)
     yield StreamChunk(0, {row_start + i: int(host_tokens[i]) for i in range(real)})
-    step = 1
+    step, calls, reader = 1, 0, host_io.AsyncReader()
+
     if request.device_loop:
       eos_padded = np.full((validation.MAX_EOS_IDS,), -1, np.int32)
       eos_padded[:len(eos)] = eos
-      loop = self._executable(("loop", batch, greedy))
-      state = LoopState(tokens=next_tokens, positions=lengths, done=done, budget=budget)
-      while not np.all(done):
-        state, out, self._cache = loop(weights, self._cache, state, eos_padded, sampling)
-        out, done = np.asarray(out), np.asarray(state.done)
+      loop = self._executable(("loop", batch.batch, greedy))
+      max_calls = -(-(request.max_new_tokens - 1) // self.config.decode_loop_steps)
+      state = LoopState(tokens=first, positions=batch.lengths, done=done, budget=budget)
+      while True:
+        # Keep up to `lag` further calls queued behind the one being read.
+        while not np.all(done) and calls < max_calls and len(reader) <= lag:
+          state, out, self._cache = loop(weights, self._cache, state, eos_padded, sampling)
+          reader.push(out)
+          calls += 1
+        if not len(reader):
+          return following
+        out, _ = reader.pop()
         for column in out.T:
           emitted = {row_start + i: int(column[i]) for i in range(real) if column[i] >= 0}
           if not emitted:
+            done[:] = True  # every row finished inside the loop
             break
           yield StreamChunk(step, emitted)
           step += 1
-      return
-    decode = self._executable(("decode", batch, greedy))
-    positions = lengths
-    while not np.all(done):
-      next_tokens, positions, self._cache = decode(weights, self._cache, next_tokens, positions,
-                                                   sampling)
-      host_tokens = np.asarray(next_tokens)
+
+    decode = self._executable(("decode", batch.batch, greedy))
+    tokens, positions = first, batch.lengths
+    while True:
+      # Launch step N+1 (up to `lag` steps ahead) before reading step N's tokens.
+      while not np.all(done) and calls < request.max_new_tokens - 1 and len(reader) <= lag:
+        emitted_tokens, tokens, positions, self._cache = decode(
+            weights, self._cache, tokens, positions, sampling)
+        reader.push(emitted_tokens)
+        calls += 1
+      if not len(reader):
+        return following
+      host_tokens, _ = reader.pop()
       emitted = {row_start + i: int(host_tokens[i]) for i in range(real) if not done[i]}
       budget = np.where(done, budget, budget - 1)
       done = done | np.isin(host_tokens, eos) | (budget <= 0)
-      yield StreamChunk(step, emitted)
-      step += 1
+      if emitted:
+        yield StreamChunk(step, emitted)
+        step += 1
+
+  # ------------------------------------------------------------------------------------------------
+  # KV-cache offload
+
+  def swap_out(self) -> None:
+    """Move the KV cache to pinned host memory, freeing its device memory. A suspended
+    `stream()` continues exactly after `swap_in()`."""
+    with self._lock:
+      if self._cache is None or self._host_cache is not None:
+        return
+      self._host_cache = host_io.to_host(self._cache, self._device)
+      jax.block_until_ready(self._host_cache)
+      for array in (self._cache.k, self._cache.v):
+        array.delete()
+      self._cache = None
+
+  def swap_in(self) -> None:
+    """Bring a swapped-out KV cache back to device memory."""
+    with self._lock:
+      if self._host_cache is None:
+        return
+      self._cache = host_io.to_device(self._host_cache, self._device)
+      self._host_cache = None
+
+  @property
+  def kv_cache_memory_kind(self) -> str | None:
+    """"device", "pinned_host" (swapped out) or None (not allocated yet)."""
+    cache = self._cache if self._cache is not None else self._host_cache
+    return None if cache is None else cache.k.sharding.memory_kind

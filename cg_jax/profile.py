@@ -181,7 +181,7 @@ def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
   start = time.perf_counter()
   for _ in range(steps):
     call = time.perf_counter()
-    tokens, positions, engine._cache = decode(weights, engine._cache, tokens, positions, None)
+    _, tokens, positions, engine._cache = decode(weights, engine._cache, tokens, positions, None)
     dispatch.append(time.perf_counter() - call)
     if read_back:
       np.asarray(tokens)

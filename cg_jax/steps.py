@@ -6,7 +6,8 @@ holds the functions that are compiled ahead of time per bucket:
 
   prefill(weights, cache, tokens[B,S], lengths[B])                 -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
-  decode(weights, cache, tokens[B], positions[B], sampling)        -> (tokens[B], positions[B], cache)
+  decode(weights, cache, tokens[B], positions[B], sampling)
+                                              -> (emitted[B], tokens[B], positions[B], cache)
   decode_loop(weights, cache, LoopState, eos[E], sampling)          -> (LoopState, out[B,K], cache)
 
 `sampling` is a `SamplingArrays` or None (the greedy-only executable).
@@ -97,7 +98,10 @@ class StepFunctions:
     model = self.split.merge(weights)
     logits, cache = model.decode(tokens, positions, cache, **self._model_options)
     next_positions = positions + 1
-    return select_tokens(logits, next_positions, sampling), next_positions, cache
+    next_tokens = select_tokens(logits, next_positions, sampling)
+    # `emitted` is a copy for the host to read back asynchronously: `next_tokens` is donated
+    # into the following step, which may start before the read-back finishes.
+    return next_tokens, next_tokens, next_positions, cache
 
   def decode_loop(self, weights, cache: KVCache, state: LoopState, eos, sampling):
     """Up to K decode steps in one `lax.while_loop`, stopping early when every row is done.

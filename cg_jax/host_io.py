@@ -1,0 +1,63 @@
+"""Host <-> device transfers that do not block the step loop.
+
+- Inputs are staged through pinned host memory and moved to the device asynchronously
+  (`stage`), so the next batch's transfer overlaps the current batch's compute.
+- Outputs come back through `copy_to_host_async` (`AsyncReader`): a step's tokens are read
+  one or more steps later, so the host never waits for step N before launching step N+1.
+- Whole pytrees (a KV cache) can be swapped out to pinned host memory and back (`to_host`,
+  `to_device`), freeing device memory in between.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+PINNED_HOST = "pinned_host"
+
+
+def pinned_host(device) -> SingleDeviceSharding:
+  """Page-locked host memory of `device` (DMA-able, so transfers are asynchronous)."""
+  return SingleDeviceSharding(device, memory_kind=PINNED_HOST)
+
+
+def on_device(device) -> SingleDeviceSharding:
+  return SingleDeviceSharding(device, memory_kind="device")
+
+
+def stage(tree: Any, device) -> Any:
+  """Host arrays -> pinned host buffers -> device buffers; both copies are asynchronous."""
+  return jax.device_put(jax.device_put(tree, pinned_host(device)), on_device(device))
+
+
+def to_host(tree: Any, device) -> Any:
+  """Copy a device pytree to pinned host memory (the caller drops the device copy)."""
+  return jax.device_put(tree, pinned_host(device))
+
+
+def to_device(tree: Any, device) -> Any:
+  """Copy a pinned-host pytree back to device memory."""
+  return jax.device_put(tree, on_device(device))
+
+
+class AsyncReader:
+  """FIFO of device arrays whose device-to-host copies start on `push` and finish on `pop`."""
+
+  def __init__(self):
+    self._pending: collections.deque = collections.deque()
+
+  def __len__(self) -> int:
+    return len(self._pending)
+
+  def push(self, array: jax.Array, tag: Any = None) -> None:
+    array.copy_to_host_async()
+    self._pending.append((array, tag))
+
+  def pop(self) -> tuple[np.ndarray, Any]:
+    """The oldest array as NumPy (waits only if its copy has not landed yet), and its tag."""
+    array, tag = self._pending.popleft()
+    return np.asarray(array), tag
