@@ -272,7 +272,12 @@ class Engine:
                    graphs=self.config.graphs, decode_loop_steps=self.config.decode_loop_steps,
                    readback_lag=self.config.readback_lag)
     options.update(engine_options)
-    return Engine(self.model_config, self.weights(), **options)
+    engine = Engine(self.model_config, self.weights(), **options)
+    if dataclasses.replace(engine.config, readback_lag=0) == dataclasses.replace(self.config,
+                                                                                readback_lag=0):
+      # Same executables: share them (the weights are the same arrays) instead of recompiling.
+      engine._executables, engine._compile_times = self._executables, self._compile_times
+    return engine
 
   def _check_memory(self, limit: int | None) -> None:
     config, engine = self.model_config, self.config

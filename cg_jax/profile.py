@@ -133,6 +133,32 @@ def parse_trace(trace: str | dict, steps: int) -> LaunchReport:
       top_kernels=tuple((k, t / per) for k, t in kernel_time.most_common(8)))
 
 
+def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+  """Total length of (union of a) intersected with (union of b)."""
+  return _union_length(a) + _union_length(b) - _union_length(a + b)
+
+
+def copy_overlap(trace: str | dict) -> dict[str, float]:
+  """How much of the device's memcpy time ran while a kernel was running.
+
+  Returns {"memcpy_us", "overlapped_us", "overlap_share"} over the whole trace.
+  """
+  events = _load_events(trace)
+  process = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device_pids = {pid for pid, name in process.items() if "/device:" in name and "CPU" not in name}
+  copies, kernels = [], []
+  for e in events:
+    if e.get("ph") != "X" or e["pid"] not in device_pids:
+      continue
+    interval = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+    (copies if _MEMCPY.search(e.get("name", "")) else kernels).append(interval)
+  total = _union_length(copies)
+  overlapped = _intersection_length(copies, kernels)
+  return {"memcpy_us": total, "overlapped_us": overlapped,
+          "overlap_share": overlapped / total if total else 0.0}
+
+
 def find_trace(logdir: str) -> str:
   """The Chrome-format trace file written by `jax.profiler.trace` under `logdir`."""
   for pattern in ("**/*.trace.json.gz", "**/perfetto_trace.json.gz"):

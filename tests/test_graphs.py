@@ -98,3 +98,14 @@ def test_profile_and_timing_run_on_cpu():
   assert engine.generate(prompt, 8, eos_token_id=[]) == fresh.generate(prompt, 8, eos_token_id=[])
   with pytest.raises(ValueError, match="position must be"):
     profile.time_decode(engine, 1, position=63)
+
+
+def test_copy_overlap_synthetic():
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
+  events = meta + [
+      {"ph": "X", "pid": 1, "tid": 1, "name": "fusion", "ts": 0, "dur": 10},
+      {"ph": "X", "pid": 1, "tid": 2, "name": "MemcpyDtoH", "ts": 5, "dur": 10},
+      {"ph": "X", "pid": 1, "tid": 2, "name": "MemcpyDtoH", "ts": 30, "dur": 4},
+  ]
+  overlap = profile.copy_overlap({"traceEvents": events})
+  assert overlap == {"memcpy_us": 14.0, "overlapped_us": 5.0, "overlap_share": 5.0 / 14.0}

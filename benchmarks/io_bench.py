@@ -1,0 +1,152 @@
+"""Host I/O on the GPU: streamed tokens against the pipelined step, pinned against pageable
+transfers both ways, KV-cache swap of a ~1 GB cache, and copy/kernel overlap from a profile.
+
+One process; rows to JSON (graphs-issue schema plus `stream_token_us`), table last.
+
+  PYTHONPATH=$PWD python3 benchmarks/io_bench.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cg_jax import Engine, host_io, profile
+
+
+def _median_s(fn, repeats: int = 5) -> float:
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def transfer_rows(device, size_bytes: int) -> list[dict]:
+  """Host<->device bandwidth, pageable (NumPy) against pinned (pinned_host memory kind)."""
+  host = np.random.default_rng(0).integers(0, 255, size_bytes, dtype=np.uint8)
+  pinned = jax.device_put(host, host_io.pinned_host(device))
+  on_device = jax.device_put(host, host_io.on_device(device))
+  jax.block_until_ready((pinned, on_device))
+  cases = {
+      ("h2d", "pageable"): lambda: jax.block_until_ready(jax.device_put(host, device)),
+      ("h2d", "pinned"): lambda: jax.block_until_ready(
+          jax.device_put(pinned, host_io.on_device(device))),
+      ("d2h", "pageable"): lambda: np.asarray(on_device + 0),
+      ("d2h", "pinned"): lambda: jax.block_until_ready(
+          jax.device_put(on_device, host_io.pinned_host(device))),
+  }
+  rows = []
+  for (direction, memory), fn in cases.items():
+    seconds = _median_s(fn)
+    rows.append(dict(kind="transfer", direction=direction, host_memory=memory,
+                     bytes=size_bytes, seconds=seconds, gb_per_s=size_bytes / seconds / 1e9))
+  return rows
+
+
+def stream_rows(model: str, batch: int, new_tokens: int, graphs: str,
+                max_seq_len: int) -> list[dict]:
+  """Per-token time of a streamed generation against the pipelined step without host reads."""
+  engine = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=(batch,),
+                                  prompt_buckets=(16,), max_seq_len=max_seq_len, graphs=graphs,
+                                  layer_loop="unroll", compilation_cache=False)
+  engine.warmup(progress=False)
+  prompts = [[11 + i, 22, 33, 44, 55] for i in range(batch)]
+
+  def streamed_token_s():
+    chunks = engine.stream(prompts, max_new_tokens=new_tokens, eos_token_id=[])
+    next(chunks)
+    start = time.perf_counter()
+    count = sum(1 for _ in chunks)
+    return (time.perf_counter() - start) / count
+
+  rows = []
+  for lag in (0, 1, 2):
+    engine = engine.with_options(readback_lag=lag, compilation_cache=False)  # shares executables
+    stream_us = statistics.median(streamed_token_s() for _ in range(5)) * 1e6
+    rows.append(dict(kind="stream", model=model, batch=batch, mode=graphs, readback_lag=lag,
+                     stream_token_us=stream_us))
+  step = profile.time_decode(engine, batch, position=max_seq_len // 2)
+  for row in rows:
+    row["step_us"] = step["step_us"]
+    row["stream_over_step"] = row["stream_token_us"] / step["step_us"]
+  # Overlap of the token copies with kernels during a streamed generation.
+  logdir = tempfile.mkdtemp()
+  with jax.profiler.trace(logdir):
+    for _ in engine.stream(prompts, max_new_tokens=32, eos_token_id=[]):
+      pass
+  rows[-1].update(profile.copy_overlap(profile.find_trace(logdir)))
+  return rows
+
+
+def swap_rows(model: str, batch: int, max_seq_len: int) -> list[dict]:
+  """Swap-out/in time of a KV cache (default: llama-3.2-1b shape, 8 x 4096 = 1.07 GB)."""
+  engine = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=(batch,),
+                                  prompt_buckets=(16,), max_seq_len=max_seq_len,
+                                  compilation_cache=False)
+  cache = engine._ensure_cache()
+  size = cache.k.nbytes + cache.v.nbytes
+  out_s = _median_s(lambda: (engine.swap_out(), engine.swap_in(), jax.block_until_ready(engine._cache)))
+  engine.swap_out()
+  start = time.perf_counter()
+  engine.swap_in()
+  jax.block_until_ready(engine._cache)
+  in_s = time.perf_counter() - start
+  start = time.perf_counter()
+  engine.swap_out()
+  swap_out_s = time.perf_counter() - start
+  engine.swap_in()
+  return [dict(kind="swap", bytes=size, swap_out_s=swap_out_s, swap_in_s=in_s,
+               round_trip_s=out_s, swap_out_gb_per_s=size / swap_out_s / 1e9,
+               swap_in_gb_per_s=size / in_s / 1e9)]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+  parser.add_argument("--models", default="gpt2,llama-3.2-1b")
+  parser.add_argument("--transfer-bytes", type=int, default=1 << 30)
+  parser.add_argument("--max-seq-len", type=int, default=1024)
+  parser.add_argument("--swap-model", default="llama-3.2-1b")
+  parser.add_argument("--swap-batch", type=int, default=8)
+  parser.add_argument("--swap-max-seq-len", type=int, default=4096)
+  args = parser.parse_args()
+  device = jax.devices()[0]
+  commit = os.environ.get("CG_JAX_COMMIT") or subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+  meta = dict(system="cg_jax", gpu=device.device_kind, jax_version=jax.__version__, commit=commit,
+              date=datetime.date.today().isoformat())
+  rows = transfer_rows(device, args.transfer_bytes)
+  for model in args.models.split(","):
+    rows += stream_rows(model, 1, 64, "full", args.max_seq_len)
+  rows += swap_rows(args.swap_model, args.swap_batch, args.swap_max_seq_len)
+  rows = [dict(meta, **r) for r in rows]
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "io_rows.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  for r in rows:
+    if r["kind"] == "transfer":
+      print(f"transfer {r['direction']} {r['host_memory']:8s} {r['gb_per_s']:7.1f} GB/s")
+    elif r["kind"] == "stream":
+      print(f"stream {r['model']:13s} lag {r['readback_lag']} {r['stream_token_us']:8.1f} us/token "
+            f"step {r['step_us']:8.1f} us ratio {r['stream_over_step']:.3f} "
+            f"overlap {r.get('overlap_share', float('nan')):.2f}")
+    else:
+      print(f"swap {r['bytes'] / 1e9:.2f} GB out {r['swap_out_gb_per_s']:.1f} GB/s "
+            f"in {r['swap_in_gb_per_s']:.1f} GB/s")
+
+
+if __name__ == "__main__":
+  main()
