@@ -82,9 +82,9 @@ def generate(args) -> int:
                                   max_seq_len=args.max_seq_len)
   inputs = args.prompt if args.prompt is not None else args.prompt_ids
   # Validate before compiling anything, then compile only the buckets this request needs.
-  engine._request(inputs, args.max_new_tokens, do_sample=args.temperature > 0,
+  engine.validate(inputs, args.max_new_tokens, do_sample=args.temperature > 0,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  seed=args.seed, eos_token_id=None, device_loop=args.device_loop)
+                  seed=args.seed, device_loop=args.device_loop)
   batch = engine.config.buckets.batch_bucket(min(len(inputs), engine.config.buckets.max_batch))
   compile_times = engine.warmup(batch_sizes=[batch], progress=not args.json)
   result = engine.generate(inputs, args.max_new_tokens, do_sample=args.temperature > 0,

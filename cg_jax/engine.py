@@ -22,6 +22,7 @@ from flax import nnx
 
 from cg_jax import compile_stats, graphs as graph_modes, host_io, text, validation
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
+from cg_jax.hub import resolve_model
 from cg_jax.sampling import SamplingArrays
 from cg_jax.steps import LoopState, SplitModel, StepFunctions
 from models import hf
@@ -110,35 +111,6 @@ def _device_memory_bytes(device) -> int | None:
   if stats and "bytes_limit" in stats:
     return int(stats["bytes_limit"])
   return _physical_memory_bytes() if device.platform == "cpu" else None
-
-
-def resolve_model(name: str | os.PathLike) -> str:
-  """A checkpoint directory, or a Hugging Face model name found in the local HF cache.
-
-  Raises:
-    ValueError: neither a directory nor a cached model (no network access is attempted).
-  """
-  path = os.fspath(name)
-  if os.path.isdir(path):
-    return path
-  hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-      os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
-      "hub")
-  repo = os.path.join(hub, "models--" + path.replace("/", "--"))
-  snapshots = os.path.join(repo, "snapshots")
-  ref = os.path.join(repo, "refs", "main")
-  if os.path.isfile(ref):
-    with open(ref) as f:
-      candidate = os.path.join(snapshots, f.read().strip())
-    if os.path.isdir(candidate):
-      return candidate
-  if os.path.isdir(snapshots) and os.listdir(snapshots):
-    newest = max(os.listdir(snapshots), key=lambda s: os.path.getmtime(os.path.join(snapshots, s)))
-    return os.path.join(snapshots, newest)
-  raise ValueError(
-      f"model {path!r} is not a directory, a preset ({', '.join(PRESETS)}), or a model in the "
-      f"local Hugging Face cache ({hub}); no network access is attempted. Download it first "
-      f"(e.g. `huggingface-cli download {path}`) or pass a checkpoint directory.")
 
 
 class Engine:
@@ -432,9 +404,12 @@ class Engine:
     texts = [inputs] if isinstance(inputs, str) else list(inputs)
     return [self.tokenizer.encode(t).ids for t in texts], True
 
-  def _request(self, inputs, max_new_tokens, *, do_sample, temperature, top_k, top_p, seed,
-               eos_token_id, device_loop) -> _Request:
-    """Validate a request on the host (nothing touches the device)."""
+  def validate(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+               device_loop: bool = False) -> _Request:
+    """Validate a request on the host without running it (nothing touches the device); raises
+    the ValueError / TypeError that `generate` would."""
     input_ids, _ = self._encode(inputs)
     rows = validation.prompts(input_ids, self.model_config.vocab_size)
     validation.lengths(rows, max_prompt_len=self.config.buckets.max_prompt_len,
@@ -466,7 +441,7 @@ class Engine:
       A `GenerationResult`: a list of new-token lists (EOS included when hit), with `.texts`
       (when a tokenizer exists) and `.stats` (ttft_s, per_token_s, tokens_per_s, ...).
     """
-    request = self._request(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
+    request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                             device_loop=device_loop)
     tokens: list[list[int]] = [[] for _ in request.rows]
@@ -486,7 +461,7 @@ class Engine:
 
     Validation happens at call time, before the first chunk is requested.
     """
-    request = self._request(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
+    request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                             device_loop=device_loop)
     return self._stream_text(request) if self.tokenizer is not None else self._run(request)
