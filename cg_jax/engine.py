@@ -86,7 +86,6 @@ class _Batch:
   length: int
   tokens: jax.Array
   lengths: jax.Array
-  host_lengths: np.ndarray
   sampling: SamplingArrays | None
 
 
@@ -537,7 +536,7 @@ class Engine:
     staged_tokens, staged_lengths, staged_sampling = host_io.stage(
         (tokens, lengths, sampling), self._device)
     return _Batch(row_start=row_start, real=real, batch=batch, length=length,
-                  tokens=staged_tokens, lengths=staged_lengths, host_lengths=lengths,
+                  tokens=staged_tokens, lengths=staged_lengths,
                   sampling=staged_sampling)
 
   def _run_batch(self, request: _Request, batch: _Batch, prepare_next) -> Iterator[StreamChunk]:
