@@ -41,7 +41,7 @@ class EngineConfig:
   max_seq_len: KV-cache length T (prompt + generated tokens per row).
   buckets: batch and prompt-length buckets; the cache holds `buckets.max_batch` rows.
   attention: attention backend ("xla" or "pallas").
-  layer_loop: "scan" (one while loop over layers) or "unroll" (straight-line layers).
+  layer_loop: decode steps' layer loop, "scan" (one while loop) or "unroll" (straight-line).
   graphs: CUDA-graph mode (`cg_jax.graphs.GRAPH_MODES`).
   decode_loop_steps: K, tokens per host call in the device loop.
   readback_lag: steps launched ahead of the one whose tokens the host reads (0: synchronous).
@@ -126,7 +126,9 @@ class Engine:
     prompt_buckets: prompt-length buckets (default powers of two from 16 up to max_seq_len).
     attention: "pallas" (fused Pallas kernels; the default on GPU) or "xla" (the default
       elsewhere; on CPU the Pallas kernels run in the interpreter, for tests).
-    layer_loop: "scan" (default) or "unroll".
+    layer_loop: the decode steps' layer loop: "unroll" (the default on GPU: with it a decode
+      step is one CUDA graph; benchmarks/results/graphs_h200.md) or "scan" (the default
+      elsewhere: faster compiles).
     graphs: CUDA-graph mode: "off", "xla-default" (default) or "full".
     decode_loop_steps: tokens generated per host call in the device loop.
     readback_lag: decode steps launched ahead of the step whose tokens are being read back
@@ -142,7 +144,7 @@ class Engine:
                dtype: str = "float32", tokenizer=None, max_seq_len: int | None = None,
                batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                prompt_buckets: Sequence[int] | None = None, attention: str | None = None,
-               layer_loop: str = "scan", graphs: str = "xla-default",
+               layer_loop: str | None = None, graphs: str = "xla-default",
                decode_loop_steps: int = 16, readback_lag: int = 1,
                compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
@@ -152,6 +154,8 @@ class Engine:
     self.tokenizer = tokenizer
     attention = default_attention() if attention is None else attention
     check_backend(attention)
+    if layer_loop is None:
+      layer_loop = "unroll" if jax.default_backend() == "gpu" else "scan"
     if layer_loop not in LAYER_LOOPS:
       raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     options = graph_modes.compiler_options(graphs, compiler_options)
@@ -200,8 +204,7 @@ class Engine:
     self._cache: KVCache | None = None
     self._host_cache: KVCache | None = None  # the cache while swapped out to pinned host memory
     self._device = jax.devices()[0]
-    self._logits_fn = jax.jit(
-        lambda w, t: self._split.merge(w).logits(t, attention=attention, layer_loop=layer_loop))
+    self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(t, attention=attention))
     self._lock = threading.RLock()
     self._compiles_at_warmup: int | None = None
 

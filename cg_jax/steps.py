@@ -73,7 +73,8 @@ class StepFunctions:
   Args:
     split: the split model; its graphdef/treedef are baked into the traces.
     attention: attention backend name passed to the model.
-    layer_loop: "scan" or "unroll" (see `models.decoder`).
+    layer_loop: "scan" or "unroll" for the per-token steps (see `models.decoder`); prefill runs
+      once per request and always scans (small program, fast compile).
     loop_steps: K, tokens generated per device-loop call.
   """
 
@@ -88,7 +89,7 @@ class StepFunctions:
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)
-    return model.prefill(tokens, lengths, cache, **self._model_options)
+    return model.prefill(tokens, lengths, cache, attention=self.attention, layer_loop="scan")
 
   @staticmethod
   def first_token(logits, positions, sampling: SamplingArrays | None):
