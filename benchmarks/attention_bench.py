@@ -74,15 +74,21 @@ def _relative_error(out, ref) -> float:
   return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
+def _random_inputs(seed: int, q_shape, kv_shape, batch: int, length: int):
+  """Random bfloat16 q, k, v (never zeros) and full-length rows."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], q_shape, jnp.bfloat16)
+  k = jax.random.normal(keys[1], kv_shape, jnp.bfloat16)
+  v = jax.random.normal(keys[2], kv_shape, jnp.bfloat16)
+  return q, k, v, jnp.full((batch,), length, jnp.int32)
+
+
 def decode_rows(batches, cache_lens, heads=32, kv_heads=8, head_dim=64):
   rows = []
   for batch in batches:
     for cache_len in cache_lens:
-      keys = jax.random.split(jax.random.key(batch * cache_len), 3)
-      q = jax.random.normal(keys[0], (batch, heads, head_dim), jnp.bfloat16)
-      k = jax.random.normal(keys[1], (batch, cache_len, kv_heads, head_dim), jnp.bfloat16)
-      v = jax.random.normal(keys[2], (batch, cache_len, kv_heads, head_dim), jnp.bfloat16)
-      lengths = jnp.full((batch,), cache_len, jnp.int32)
+      q, k, v, lengths = _random_inputs(batch * cache_len, (batch, heads, head_dim),
+                                        (batch, cache_len, kv_heads, head_dim), batch, cache_len)
       reference = jax.jit(decode_attention_reference)
       error = _relative_error(decode_attention(q, k, v, lengths, interpret=INTERPRET),
                               reference(q, k, v, lengths))
@@ -119,11 +125,8 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
   rows = []
   for head_dim in head_dims:
     for seq in seq_lens:
-      keys = jax.random.split(jax.random.key(seq + head_dim), 3)
-      q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), jnp.bfloat16)
-      k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), jnp.bfloat16)
-      v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), jnp.bfloat16)
-      lengths = jnp.full((batch,), seq, jnp.int32)
+      q, k, v, lengths = _random_inputs(seq + head_dim, (batch, seq, heads, head_dim),
+                                        (batch, seq, kv_heads, head_dim), batch, seq)
       reference = jax.jit(flash_attention_reference)
       error = _relative_error(flash_attention(q, k, v, lengths, interpret=INTERPRET),
                               reference(q, k, v, lengths))
