@@ -67,7 +67,8 @@ def run_profile(args) -> int:
   if args.json:
     print(json.dumps(result))
     return 0
-  for key in ("step_us", "host_dispatch_wall_us", "kernels_per_step", "graph_launches_per_step",
+  for key in ("step_us", "host_dispatch_wall_us", "pipelined_call_us", "kernels_per_step",
+              "graph_launches_per_step",
               "kernel_launches_outside_graphs_per_step", "memcpy_per_step", "host_dispatch_us",
               "gpu_busy_us", "idle_gap_share"):
     print(f"{key:42s} {result[key]:10.2f}")
