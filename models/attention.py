@@ -84,18 +84,27 @@ def prefill_attention(q, k, v, lengths, *, sm_scale: float, backend: Backend = "
   return _softmax_attention(q, k, v, causal & valid_key, sm_scale)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: Backend = "xla"):
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: Backend = "xla",
+                     layer=None):
   """One query token per sequence against the first `lengths[b]` cache entries.
 
   Args:
-    q: [B, Hq, D]; k_cache, v_cache: [B, T, Hkv, D]; lengths: int32 [B] (>= 1 for real rows).
+    q: [B, Hq, D]; k_cache, v_cache: [B, T, Hkv, D], or with `layer` the stacked caches
+      [L, B', T, Hkv, D] (B' >= B) of which rows [0, B) of that layer are used;
+      lengths: int32 [B] (>= 1 for real rows).
+    layer: None, a Python int (the Pallas kernel then reads the stacked cache in place) or a
+      traced index (the layer is sliced out first).
   Returns:
     [B, Hq, D].
   """
+  if layer is not None and (backend != "pallas" or not isinstance(layer, int)):
+    batch = q.shape[0]
+    k_cache, v_cache, layer = k_cache[layer, :batch], v_cache[layer, :batch], None
   if backend == "pallas":
     from cg_jax.kernels.decode_attention import decode_attention as decode_kernel
 
-    return decode_kernel(q, k_cache, v_cache, lengths, sm_scale=sm_scale, interpret=_interpret())
+    return decode_kernel(q, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
+                         interpret=_interpret())
   cache_len = k_cache.shape[1]
   # [B, 1, T]
   mask = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, None, :]

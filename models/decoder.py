@@ -345,8 +345,8 @@ class Decoder(nnx.Module):
         k_new = k_all.at[layer, rows, positions].set(k[:, 0].astype(k_all.dtype))
         v_new = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
         cache_out["k"], cache_out["v"] = k_new, v_new
-        out = decode_attention(q[:, 0], k_new[layer, :batch], v_new[layer, :batch], positions + 1,
-                               sm_scale=self._sm_scale, backend=attention)
+        out = decode_attention(q[:, 0], k_new, v_new, positions + 1, sm_scale=self._sm_scale,
+                               backend=attention, layer=layer)
         return out[:, None]
 
       x = self._block(x, w, positions[:, None], attend)

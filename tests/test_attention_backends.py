@@ -17,6 +17,9 @@ def test_pallas_and_xla_agree(model):
   prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [38, 46]]
   expected = xla.generate(prompts, max_new_tokens=12, eos_token_id=[])
   assert pallas.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
+  # Unrolled layers pass the stacked cache and a static layer to the kernel (no slice copy).
+  unrolled = xla.with_options(attention="pallas", layer_loop="unroll")
+  assert unrolled.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
   tokens = np.random.default_rng(0).integers(0, 263, (2, 21)).tolist()
   assert_close_relative(pallas.logits(tokens), xla.logits(tokens), RELATIVE_TOLERANCE["float32"],
                         "pallas logits")

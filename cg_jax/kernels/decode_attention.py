@@ -190,8 +190,9 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, max_ref,
   denom_ref[...] = denom
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
-def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
+@functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"))
+def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
+                     sm_scale: float | None = None,
                      config: DecodeAttentionConfig = DecodeAttentionConfig(),
                      interpret: bool = False):
   """Single-token attention over a right-padded KV cache with a split-K Pallas/Triton kernel.
@@ -199,7 +200,10 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
   Args:
     q: [B, Hq, D] queries of the new token, float32 or bfloat16.
     k_cache, v_cache: [B, T, Hkv, D] caches in q's dtype; Hq must be a multiple of Hkv (GQA/MQA).
-      D must be a power of two >= 16 (Triton).
+      D must be a power of two >= 16 (Triton). With `layer`, the whole stacked cache
+      [L, B', T, Hkv, D] (B' >= B): the kernel reads rows [0, B) of that layer in place, so no
+      per-layer slice is materialised.
+    layer: static layer index into a stacked cache, or None for a [B, T, Hkv, D] cache.
     lengths: int [B] valid cache entries per row (keys 0..lengths[b]-1 attend); 0 is allowed and
       gives zeros. Values are clamped to [0, T].
     sm_scale: softmax scale, 1/sqrt(D) when None.
@@ -210,9 +214,23 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
   Raises:
     ValueError: inconsistent shapes or dtypes, or a dtype/head_dim the kernel does not support.
   """
-  _check_shapes(q, k_cache, v_cache, lengths)
+  batch = q.shape[0] if q.ndim == 3 else None
+  if layer is not None:
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
+      raise ValueError(f"with layer, k_cache and v_cache must be [L, B', T, Hkv, D]; got "
+                       f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not 0 <= layer < k_cache.shape[0]:
+      raise ValueError(f"layer must be in [0, {k_cache.shape[0]}), got {layer}")
+    if batch is None or k_cache.shape[1] < batch:
+      raise ValueError(f"k_cache rows ({k_cache.shape[1]}) must cover q's batch; got q "
+                       f"{tuple(q.shape)}")
+    # Check the layer's [B, T, Hkv, D] view without slicing it.
+    view = jax.ShapeDtypeStruct((batch,) + k_cache.shape[2:], k_cache.dtype)
+    _check_shapes(q, view, jax.ShapeDtypeStruct(view.shape, v_cache.dtype), lengths)
+  else:
+    _check_shapes(q, k_cache, v_cache, lengths)
   batch, num_q_heads, head_dim = q.shape
-  _, cache_len, num_kv_heads, _ = k_cache.shape
+  cache_len, num_kv_heads = k_cache.shape[-3], k_cache.shape[-2]
   if q.dtype not in _KERNEL_DTYPES:
     raise ValueError(f"q dtype must be float32 or bfloat16 for the kernel; got {q.dtype}")
   if not _is_power_of_two(head_dim) or head_dim < _MIN_DOT_DIM:
@@ -236,8 +254,12 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
   kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
                              split_size=split_size)
   squeezed = pl.squeezed
-  cache_spec = pl.BlockSpec((squeezed, split_size, squeezed, head_dim),
-                            lambda b, h, s: (b, s, h, 0))
+  if layer is None:
+    cache_spec = pl.BlockSpec((squeezed, split_size, squeezed, head_dim),
+                              lambda b, h, s: (b, s, h, 0))
+  else:
+    cache_spec = pl.BlockSpec((squeezed, squeezed, split_size, squeezed, head_dim),
+                              lambda b, h, s: (layer, b, s, h, 0))
   split_acc, split_max, split_denom = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, num_splits),

@@ -178,3 +178,28 @@ def test_kernel_rejects_unsupported_head_dim_and_dtype():
 def test_config_validation(fields, name):
   with pytest.raises(ValueError, match=name):
     DecodeAttentionConfig(**fields)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stacked_cache_with_layer_reads_that_layer_in_place(dtype):
+  """A [L, B', T, Hkv, D] cache with a static layer equals the kernel on the sliced layer."""
+  rng = np.random.default_rng(11)
+  layers, rows, batch, cache_len, heads, kv_heads, head_dim = 3, 4, 2, 70, 8, 2, 64
+  q = random_array(rng, (batch, heads, head_dim), dtype)
+  k = random_array(rng, (layers, rows, cache_len, kv_heads, head_dim), dtype)
+  v = random_array(rng, (layers, rows, cache_len, kv_heads, head_dim), dtype)
+  lengths = jnp.asarray([70, 33], jnp.int32)
+  config = DecodeAttentionConfig(block_k=16, split_size=32)
+  stacked = decode_attention(q, k, v, lengths, layer=1, config=config, interpret=True)
+  sliced = decode_attention(q, k[1, :batch], v[1, :batch], lengths, config=config, interpret=True)
+  np.testing.assert_array_equal(np.asarray(stacked), np.asarray(sliced))
+  mask = np.arange(cache_len)[None, None, :] < np.asarray(lengths)[:, None, None]
+  reference = attention_reference(q[:, None], k[1, :batch], v[1, :batch], mask,
+                                  1 / np.sqrt(head_dim))[:, 0]
+  assert_kernel_close(stacked, reference, dtype, "stacked-cache decode_attention")
+  with pytest.raises(ValueError, match="layer must be in"):
+    decode_attention(q, k, v, lengths, layer=3, interpret=True)
+  text = lower_for_h200(lambda *a: decode_attention(*a, layer=2), jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                        jax.ShapeDtypeStruct((batch,), jnp.int32))
+  assert "triton" in text.lower()
