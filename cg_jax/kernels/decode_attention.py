@@ -44,10 +44,6 @@ def _is_power_of_two(value: int) -> bool:
   return value > 0 and value & (value - 1) == 0
 
 
-def _next_power_of_two(value: int) -> int:
-  return 1 << max(value - 1, 0).bit_length()
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
   """Block sizes and launch settings of the decode-attention kernel.
@@ -240,10 +236,10 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
     sm_scale = 1.0 / math.sqrt(head_dim)
 
   group = num_q_heads // num_kv_heads
-  padded_group = max(_MIN_DOT_DIM, _next_power_of_two(group))
+  padded_group = max(_MIN_DOT_DIM, pl.next_power_of_2(group))
   block_k = config.block_k
   # Short caches run as one split; the last split may reach past T (its loads are masked).
-  split_size = min(config.split_size, max(block_k, _next_power_of_two(cache_len)))
+  split_size = min(config.split_size, max(block_k, pl.next_power_of_2(cache_len)))
   num_splits = pl.cdiv(cache_len, split_size)
 
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, cache_len)
