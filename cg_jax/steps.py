@@ -1,6 +1,6 @@
 """The hot path: pure functions over a flat list of weight arrays and a donated KV cache.
 
-The NNX model is split once (`split_model`); each step re-hydrates it with `nnx.merge` inside the
+The NNX model is split once (`nnx.split`, then `SplitModel.from_state`); each step re-hydrates it with `nnx.merge` inside the
 trace, so a call passes ~15-20 weight arrays and costs no Python graph traversal. `StepFunctions`
 holds the functions that are compiled ahead of time per bucket:
 
@@ -34,15 +34,14 @@ class SplitModel:
   treedef: Any
   weights: list[jax.Array]
 
+  @classmethod
+  def from_state(cls, graphdef, state) -> "SplitModel":
+    """Flatten a split decoder's state into the weight list a step takes (done once, at load)."""
+    weights, treedef = jax.tree.flatten(state)
+    return cls(graphdef, treedef, weights)
+
   def merge(self, weights) -> Decoder:
     return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, weights))
-
-
-def split_model(model: Decoder) -> SplitModel:
-  """Split an NNX decoder into graphdef, state treedef and flat weights (done once, at load)."""
-  graphdef, state = nnx.split(model)
-  weights, treedef = jax.tree.flatten(state)
-  return SplitModel(graphdef, treedef, weights)
 
 
 @jax.tree_util.register_dataclass
