@@ -158,6 +158,7 @@ class Engine:
       layer_loop = "unroll" if jax.default_backend() == "gpu" else "scan"
     if layer_loop not in LAYER_LOOPS:
       raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    self._extra_compiler_options = dict(compiler_options or {})
     options = graph_modes.compiler_options(graphs, compiler_options)
     if max_seq_len is None:
       max_seq_len = min(config.max_position_embeddings, 2048)
@@ -196,8 +197,7 @@ class Engine:
                          f"expected {tuple(spec.shape)}")
     device_weights = {n: jax.device_put(jnp.asarray(w, dtype=self.dtype)) for n, w in weights.items()}
     nnx.replace_by_pure_dict(state, device_weights)
-    flat, treedef = jax.tree.flatten(state)
-    self._split = SplitModel(graphdef, treedef, flat)
+    self._split = SplitModel.from_state(graphdef, state)
     self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps)
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
@@ -244,7 +244,8 @@ class Engine:
                    prompt_buckets=self.config.buckets.prompt_lengths,
                    attention=self.config.attention, layer_loop=self.config.layer_loop,
                    graphs=self.config.graphs, decode_loop_steps=self.config.decode_loop_steps,
-                   readback_lag=self.config.readback_lag)
+                   readback_lag=self.config.readback_lag,
+                   compiler_options=self._extra_compiler_options)
     options.update(engine_options)
     engine = Engine(self.model_config, self.weights(), **options)
     if dataclasses.replace(engine.config, readback_lag=0) == dataclasses.replace(self.config,

@@ -31,6 +31,10 @@ def test_graph_mode_options():
   assert full["xla_gpu_graph_min_graph_size"] == 5
   with pytest.raises(ValueError, match="graphs must be one of"):
     compiler_options("fast")
+  # Extra options survive a change of graph mode in with_options.
+  engine = Engine.from_pretrained("tiny-gpt2", compiler_options={"xla_gpu_graph_min_graph_size": 3})
+  assert engine.with_options(graphs="off").stats()["compiler_options"] == {
+      "xla_gpu_enable_command_buffer": "", "xla_gpu_graph_min_graph_size": 3}
   with pytest.raises(ValueError, match="layer_loop must be one of"):
     Engine.from_pretrained("tiny-gpt2", layer_loop="vectorised")
 
