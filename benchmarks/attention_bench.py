@@ -12,7 +12,9 @@ ceiling. Medians over repeats, compile time excluded. One process, rows to JSON,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -30,21 +32,35 @@ from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attentio
 
 HBM_BYTES_PER_S = 4.2e12
 BF16_FLOPS = 790e12
+# Launch settings searched per shape (the best is reported with its config).
+DECODE_CONFIGS = tuple(
+    DecodeAttentionConfig(block_k=block_k, split_size=split, num_warps=warps, num_stages=stages)
+    for block_k in (64, 128) for split in (256, 512, 1024, 2048) for warps, stages in ((4, 2), (8, 3))
+    if split >= block_k)
+PREFILL_CONFIGS = tuple(
+    FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=warps)
+    for block_q, block_k in ((64, 64), (128, 64), (64, 128), (128, 128)) for warps in (4, 8))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
-def _median_us(fn, *args, repeats: int = 50) -> float:
-  repeats = 2 if INTERPRET else repeats
+def _median_us(fn, *args, calls: int = 20, rounds: int = 7) -> float:
+  """Per-call time of `calls` back-to-back calls (the queue stays full, so host dispatch hides
+  behind the kernels as in a decode step), median over rounds; compile excluded."""
+  if INTERPRET:
+    calls, rounds = 1, 2
   jax.block_until_ready(fn(*args))  # compile and warm
   times = []
-  for _ in range(repeats):
+  for _ in range(rounds):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / calls)
   return statistics.median(times) * 1e6
 
 
-def _torch_us(fn, repeats: int = 50) -> float | None:
+def _torch_us(fn, calls: int = 20, rounds: int = 7) -> float | None:
+  """The same measurement for a PyTorch callable (CUDA events around back-to-back calls)."""
   try:
     import torch
   except ImportError:
@@ -54,13 +70,14 @@ def _torch_us(fn, repeats: int = 50) -> float | None:
   fn()
   torch.cuda.synchronize()
   times = []
-  for _ in range(repeats):
+  for _ in range(rounds):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    for _ in range(calls):
+      fn()
     end.record()
     torch.cuda.synchronize()
-    times.append(start.elapsed_time(end) * 1e3)
+    times.append(start.elapsed_time(end) * 1e3 / calls)
   return statistics.median(times)
 
 
@@ -97,12 +114,12 @@ def decode_rows(batches, cache_lens, heads=32, kv_heads=8, head_dim=64):
                  kv_heads=kv_heads, head_dim=head_dim, rel_error_vs_xla=error,
                  floor_us=valid_bytes / HBM_BYTES_PER_S * 1e6)
       best = None
-      for split in (256, 512, 1024, 2048):
-        config = DecodeAttentionConfig(block_k=64, split_size=split)
-        us = _median_us(lambda *a: decode_attention(*a, config=config, interpret=INTERPRET), q, k, v, lengths)
+      for config in DECODE_CONFIGS:
+        us = _median_us(jax.jit(functools.partial(decode_attention, config=config,
+                                                  interpret=INTERPRET)), q, k, v, lengths)
         if best is None or us < best[0]:
-          best = (us, split)
-      row["pallas_us"], row["pallas_split_size"] = best
+          best = (us, config)
+      row["pallas_us"], row["pallas_config"] = best[0], dataclasses.asdict(best[1])
       row["xla_us"] = _median_us(reference, q, k, v, lengths)
 
       def torch_sdpa():
@@ -132,14 +149,14 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
                               reference(q, k, v, lengths))
       flops = 4 * batch * heads * seq * seq * head_dim / 2  # causal half
       best = None
-      for block_q, block_k in ((64, 64), (128, 64), (64, 128), (128, 128)):
-        config = FlashAttentionConfig(block_q=block_q, block_k=block_k)
-        us = _median_us(lambda *a: flash_attention(*a, config=config, interpret=INTERPRET), q, k, v, lengths)
+      for config in PREFILL_CONFIGS:
+        us = _median_us(jax.jit(functools.partial(flash_attention, config=config,
+                                                  interpret=INTERPRET)), q, k, v, lengths)
         if best is None or us < best[0]:
-          best = (us, f"{block_q}x{block_k}")
+          best = (us, dataclasses.asdict(config))
       row = dict(kernel="flash_attention", batch=batch, seq_len=seq, heads=heads,
                  kv_heads=kv_heads, head_dim=head_dim, rel_error_vs_xla=error,
-                 pallas_us=best[0], pallas_blocks=best[1],
+                 pallas_us=best[0], pallas_config=best[1],
                  xla_us=_median_us(reference, q, k, v, lengths))
 
       def torch_sdpa():
@@ -169,6 +186,8 @@ def main():
   if args.smoke:
     global INTERPRET
     INTERPRET = True
+    global DECODE_CONFIGS, PREFILL_CONFIGS
+    DECODE_CONFIGS, PREFILL_CONFIGS = DECODE_CONFIGS[:2], PREFILL_CONFIGS[:1]
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
   os.makedirs(args.out, exist_ok=True)
   commit = os.environ.get("CG_JAX_COMMIT") or subprocess.run(

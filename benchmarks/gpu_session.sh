@@ -1,22 +1,51 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU measurements for the open kernel / I/O / graph issues, each part
-# time-boxed so a slow part cannot eat the others. Usage (on the device machine):
+# One device call's worth of GPU work, each part time-boxed so a slow part cannot eat the others.
+# Usage (on the device machine, from the repo root):
 #   CG_JAX_COMMIT=<hash> bash benchmarks/gpu_session.sh "$OUT" [parts]
-# parts: comma list of attention, io, graphs-pallas (default: all three).
+# parts (comma list, run in this order):
+#   train          the bundled model (scripts/train_default_model.py; needs .train/kjv carried)
+#   dispatch       host dispatch of one decode step under command-buffer variants
+#   attention      Pallas attention kernels: correctness, config search, XLA and torch SDPA
+#   io             host I/O: streamed tokens, pinned transfers, KV swap
+#   graphs-pallas  graph modes with Pallas attention in the decode step
+#   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
 parts=${2:-attention,io,graphs-pallas}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$out"
-run() {  # name, timeout seconds, command...
+has() { case ",$parts," in *,$1,*) return 0 ;; esac; return 1; }
+run() {  # name, timeout seconds, command... (gets --out OUT/name)
   local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s) ==="
+  echo "=== $name (limit ${limit}s, $(date +%T)) ==="
   mkdir -p "$out/$name"
   timeout "$limit" "$@" --out "$out/$name" 2>&1 | grep -v -i warning | tail -30
 }
-case ",$parts," in *,attention,*) run attention 200 python3 benchmarks/attention_bench.py ;; esac
-case ",$parts," in *,io,*) run io 200 python3 benchmarks/io_bench.py ;; esac
-case ",$parts," in *,graphs-pallas,*)
+if has train; then
+  run train 150 python3 scripts/train_default_model.py --work .train/kjv
+fi
+if has dispatch; then
+  run dispatch 150 python3 benchmarks/dispatch_bench.py --variants \
+    '{"serialize": {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
+      "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+      "temp-separate-color": {"xla_gpu_temp_buffer_use_separate_color": true}}'
+  XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+    run dispatch-skip-temp 70 python3 benchmarks/dispatch_bench.py --modes full
+  echo "=== dispatch-vlog (command-buffer update log of the full-mode steps) ==="
+  TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 \
+    timeout 70 python3 benchmarks/dispatch_bench.py --modes full --out "$out/dispatch-vlog" \
+    > "$out/dispatch-vlog.log" 2>&1
+  grep -c -i -E "Updated [0-9]+ commands" "$out/dispatch-vlog.log"
+  grep -i -E "Updated [0-9]+ commands|updated_allocs" "$out/dispatch-vlog.log" | tail -6
+  gzip "$out/dispatch-vlog.log"
+fi
+if has attention; then run attention 240 python3 benchmarks/attention_bench.py; fi
+if has io; then run io 200 python3 benchmarks/io_bench.py; fi
+if has graphs-pallas; then
   run graphs-pallas 170 python3 benchmarks/graphs_bench.py --attention pallas \
-    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8 --traces none ;;
-esac
+    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8 --traces none
+fi
+if has baselines; then
+  echo "=== baselines ($(date +%T)) ==="
+  RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-120} bash benchmarks/run_baselines.sh "$out/baselines" 2>&1 | tail -40
+fi

@@ -10,6 +10,7 @@ implemented are rejected. torch is never imported here; torch tensors are conver
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -360,3 +361,77 @@ def load_checkpoint(path: str | os.PathLike, dtype="float32") -> tuple[DecoderCo
     weights = convert_weights(
         config, lambda name: handles[files[name]].get_tensor(name), list(files), dtype)
   return config, weights
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing checkpoints (the inverse of the above)
+
+
+def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
+  """A Hugging Face config.json dict for `config` (`config_from_hf` inverts it exactly)."""
+  c = config
+  eos = list(c.eos_token_id)
+  eos_field = None if not eos else eos[0] if len(eos) == 1 else eos
+  if c.family == "gpt2":
+    activations = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+    return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size,
+                n_embd=c.hidden_size, n_layer=c.num_layers, n_head=c.num_heads,
+                n_inner=c.intermediate_size, n_positions=c.max_position_embeddings,
+                layer_norm_epsilon=c.norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+                activation_function=activations[c.activation], bos_token_id=c.bos_token_id,
+                eos_token_id=eos_field)
+  rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+  if c.rope_scaling is not None:
+    rope.update(dataclasses.asdict(c.rope_scaling))
+    if c.rope_scaling.rope_type == "linear":
+      for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        rope.pop(name)
+  return dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=c.vocab_size,
+              hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+              num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+              head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+              max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
+              tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
+              mlp_bias=c.mlp_bias, hidden_act="silu", rope_theta=c.rope_theta,
+              rope_parameters=rope, bos_token_id=c.bos_token_id, eos_token_id=eos_field)
+
+
+def export_weights(config: DecoderConfig, weights: Mapping[str, Any],
+                   dtype="float32") -> dict[str, np.ndarray]:
+  """Stacked weights -> Hugging Face tensors (names and layouts `convert_weights` reads)."""
+  target = numpy_dtype(dtype)
+  prefix = "transformer." if config.family == "gpt2" else "model."
+
+  def put(name: str, array, transpose: bool) -> tuple[str, np.ndarray]:
+    array = np.asarray(array).astype(target)
+    full = name if name == "lm_head.weight" else prefix + name
+    return full, np.ascontiguousarray(array.T if transpose else array)
+
+  tensors = dict(put(name, weights[kind], tr)
+                 for kind, (name, _, tr) in _global_tensors(config).items())
+  for kind, parts in _layer_tensors(config).items():
+    stacked = np.asarray(weights[kind])
+    if stacked.shape[0] != config.num_layers:
+      raise ValueError(f"weights[{kind!r}] has {stacked.shape[0]} layers, expected "
+                       f"{config.num_layers}")
+    # Each part's width along the last (output) axis, in the order they were concatenated.
+    widths = [shape[0] if tr else shape[-1] for _, shape, tr in parts]
+    for i in range(config.num_layers):
+      pieces = np.split(stacked[i], np.cumsum(widths)[:-1], axis=-1)
+      tensors.update(put(tpl.format(i=i), piece, tr) for (tpl, _, tr), piece in zip(parts, pieces))
+  return tensors
+
+
+def save_checkpoint(path: str | os.PathLike, config: DecoderConfig, weights: Mapping[str, Any],
+                    dtype="float32") -> None:
+  """Write a Hugging Face checkpoint directory (config.json + model.safetensors) that
+  `load_checkpoint` and transformers' `from_pretrained` both read."""
+  from safetensors.numpy import save_file
+
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  hf = dict(config_to_hf(config), torch_dtype=np.dtype(numpy_dtype(dtype)).name)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)
+  save_file(export_weights(config, weights, dtype), os.path.join(path, "model.safetensors"),
+            metadata={"format": "pt"})

@@ -67,6 +67,8 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
                      p + "mlp.c_proj.weight": (f, d), p + "mlp.c_proj.bias": (d,)})
     shapes["transformer.ln_f.weight"] = (d,)
     shapes["transformer.ln_f.bias"] = (d,)
+    if not config["tie_word_embeddings"]:
+      shapes["lm_head.weight"] = (v, d)
   else:
     d, v, f = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
     hd = config["head_dim"]

@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from cg_jax import Engine
-from models.hf import CheckpointError
+from models.hf import CheckpointError, load_checkpoint, save_checkpoint
 from tests.helpers import (RELATIVE_TOLERANCE, assert_close_relative, hf_gpt2_config,
                            hf_llama_config, random_tensors, write_checkpoint)
 
@@ -137,3 +137,43 @@ def test_no_weights_file(tmp_path):
 def test_not_a_model(tmp_path):
   with pytest.raises(ValueError, match="not a directory, a preset"):
     Engine.from_pretrained(str(tmp_path / "nope"))
+
+
+ROUND_TRIP_CONFIGS = {
+    **CONFIGS,
+    "gpt2-untied-ffn": hf_gpt2_config(tie_word_embeddings=False, n_inner=72,
+                                      activation_function="gelu"),
+    "llama-linear-rope-bias-tied": hf_llama_config(
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}),
+    "llama-default-rope-mqa": hf_llama_config(
+        num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ROUND_TRIP_CONFIGS))
+def test_save_checkpoint_round_trip(tmp_path, variant):
+  """save_checkpoint writes the same HF tensors (and an equivalent config) that were loaded."""
+  config = ROUND_TRIP_CONFIGS[variant]
+  tensors = random_tensors(config, seed=11)
+  if config.get("attention_bias"):  # the helper writes no Llama biases; add them by hand
+    rng = np.random.default_rng(12)
+    for name, value in list(tensors.items()):
+      if name.endswith(("_proj.weight")):
+        tensors[name[:-len("weight")] + "bias"] = rng.normal(0, 0.1, value.shape[:1]).astype(np.float32)
+  ours, weights = load_checkpoint(write_checkpoint(tmp_path / "in", config, tensors))
+  save_checkpoint(tmp_path / "out", ours, weights)
+  again, _ = load_checkpoint(tmp_path / "out")
+  assert again == ours
+  written = load_file(str(tmp_path / "out" / "model.safetensors"))
+  assert sorted(written) == sorted(tensors)
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+def test_save_checkpoint_rejects_wrong_layer_count(tmp_path):
+  config = CONFIGS["llama"]
+  ours, weights = load_checkpoint(write_checkpoint(tmp_path / "in", config, random_tensors(config)))
+  weights["qkv_kernel"] = weights["qkv_kernel"][:1]
+  with pytest.raises(ValueError, match="qkv_kernel.*1 layers, expected 2"):
+    save_checkpoint(tmp_path / "out", ours, weights)

@@ -117,3 +117,17 @@ def test_torch_bfloat16_state_dict():
   bf16 = Engine.from_state_dict(model.config.to_dict(), bf16_state, dtype="bfloat16",
                                 batch_buckets=(1,), prompt_buckets=(64,)).logits(tokens)
   assert_close_relative(bf16, f32, RELATIVE_TOLERANCE["bfloat16"], "bfloat16 state_dict")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_save_checkpoint_loads_in_transformers(tmp_path, variant):
+  """Our writer's checkpoints load in transformers with the original model's logits."""
+  from models.hf import config_from_hf, convert_state_dict, save_checkpoint
+
+  model = hf_model(variant, seed=10)
+  config = config_from_hf(model.config.to_dict())
+  save_checkpoint(tmp_path, config, convert_state_dict(config, model.state_dict()))
+  reloaded = type(model).from_pretrained(tmp_path).eval()
+  tokens = torch.as_tensor(np.random.default_rng(11).integers(0, model.config.vocab_size, (2, 50)))
+  with torch.no_grad():
+    np.testing.assert_array_equal(reloaded(tokens).logits.numpy(), model(tokens).logits.numpy())

@@ -1,0 +1,97 @@
+"""Host dispatch of one decode step: where the time of a single call into an idle GPU goes.
+
+For one model and batch, the same weights are compiled under several sets of XLA options (the
+graph modes plus command-buffer variants given as JSON). Per variant: the pipelined step, the host
+time of one call issued into an idle queue, and the host time of a trivial executable with the
+same arguments (the PJRT call cost without any GPU work), so graph-launch cost and argument
+handling can be told apart. One process, rows to JSON, table last.
+
+  PYTHONPATH=$PWD python3 benchmarks/dispatch_bench.py --out $OUT \\
+      --variants '{"serialize": {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+
+from cg_jax import Engine, profile
+
+
+def trivial_dispatch_us(engine: Engine, batch: int, repeats: int = 32) -> float:
+  """Host time of calling an executable that takes the decode step's arguments and does ~nothing."""
+  weights = engine.weights()
+
+  def touch(weights, cache, tokens, positions):
+    return cache, tokens + 1, positions + 1
+
+  step = jax.jit(touch, donate_argnums=(1, 2, 3))
+  cache = engine._ensure_cache()
+  tokens, positions = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+  cache, tokens, positions = step(weights, cache, tokens, positions)
+  times = []
+  for _ in range(repeats):
+    jax.block_until_ready((cache, tokens))
+    start = time.perf_counter()
+    cache, tokens, positions = step(weights, cache, tokens, positions)
+    times.append(time.perf_counter() - start)
+  engine._cache = cache
+  return statistics.median(times) * 1e6
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+  parser.add_argument("--model", default="gpt2")
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--max-seq-len", type=int, default=1024)
+  parser.add_argument("--modes", default="off,full", help="graph modes measured as they are")
+  parser.add_argument("--variants", default="{}",
+                      help='JSON {name: {xla option: value}}, each on top of graphs="full"')
+  args = parser.parse_args()
+  commit = os.environ.get("CG_JAX_COMMIT") or subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+  meta = dict(system="cg_jax", model=args.model, batch=args.batch, gpu=jax.devices()[0].device_kind,
+              jax_version=jax.__version__, commit=commit, date=datetime.date.today().isoformat())
+  base = Engine.from_pretrained(args.model, dtype="bfloat16", batch_buckets=(args.batch,),
+                                prompt_buckets=(16,), max_seq_len=args.max_seq_len, graphs="full",
+                                layer_loop="unroll", compilation_cache=False)
+  variants = {mode: (mode, {}) for mode in args.modes.split(",")}
+  variants.update({name: ("full", options) for name, options in json.loads(args.variants).items()})
+  rows = []
+  for name, (mode, options) in variants.items():
+    row = dict(meta, variant=name, mode=mode, extra_options=options)
+    try:
+      engine = base.with_options(graphs=mode, compiler_options=options, compilation_cache=False)
+      start = time.perf_counter()
+      engine.warmup(phases=("decode",), progress=False)
+      row["compile_s"] = time.perf_counter() - start
+      row.update(profile.time_decode(engine, args.batch, position=args.max_seq_len // 2))
+      row["trivial_dispatch_us"] = trivial_dispatch_us(engine, args.batch)
+    except Exception as err:  # an option this XLA rejects: record it and go on
+      row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k not in meta}), flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "dispatch_rows.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  print(f"\n{'variant':28s} {'step_us':>9s} {'dispatch_us':>12s} {'trivial_us':>11s}")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['variant']:28s} error: {r['error'][:80]}")
+    else:
+      print(f"{r['variant']:28s} {r['step_us']:9.1f} {r['host_dispatch_wall_us']:12.1f} "
+            f"{r['trivial_dispatch_us']:11.1f}")
+
+
+if __name__ == "__main__":
+  main()
