@@ -35,7 +35,7 @@ BF16_FLOPS = 790e12
 # Launch settings searched per shape (the best is reported with its config).
 DECODE_CONFIGS = tuple(
     DecodeAttentionConfig(block_k=block_k, split_size=split, num_warps=warps, num_stages=stages)
-    for block_k in (64, 128) for split in (256, 512, 1024, 2048) for warps, stages in ((4, 2), (8, 3))
+    for block_k in (64, 128) for split in (512, 1024, 2048) for warps, stages in ((4, 2), (8, 3))
     if split >= block_k)
 PREFILL_CONFIGS = tuple(
     FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=warps)

@@ -5,6 +5,7 @@
 # parts (comma list, run in this order):
 #   train          the bundled model (scripts/train_default_model.py; needs .train/kjv carried)
 #   dispatch       host dispatch of one decode step under command-buffer variants
+#   dispatch-temp-color  the same with the temp buffer at a fixed address (XLA_FLAGS)
 #   attention      Pallas attention kernels: correctness, config search, XLA and torch SDPA
 #   io             host I/O: streamed tokens, pinned transfers, KV swap
 #   graphs-pallas  graph modes with Pallas attention in the decode step
@@ -39,7 +40,19 @@ if has dispatch; then
   grep -i -E "Updated [0-9]+ commands|updated_allocs" "$out/dispatch-vlog.log" | tail -6
   gzip "$out/dispatch-vlog.log"
 fi
-if has attention; then run attention 240 python3 benchmarks/attention_bench.py; fi
+if has dispatch-temp-color; then
+  # The temp buffer in its own pool at a fixed address (an allocator setting: XLA_FLAGS only).
+  echo "=== dispatch-temp-color ==="
+  XLA_FLAGS=--xla_gpu_temp_buffer_use_separate_color=true \
+    TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 \
+    timeout 70 python3 benchmarks/dispatch_bench.py --modes full --out "$out/dispatch-temp-color" \
+    > "$out/dispatch-temp-color.log" 2>&1
+  grep -v -i warning "$out/dispatch-temp-color.log" | grep -E "^\{|^full" | tail -3
+  grep -o -E "updated_allocs=[0-9]+" "$out/dispatch-temp-color.log" | sort | uniq -c
+  grep -E "Updated [0-9]+ commands" "$out/dispatch-temp-color.log" | tail -2
+  gzip "$out/dispatch-temp-color.log"
+fi
+if has attention; then run attention 200 python3 benchmarks/attention_bench.py; fi
 if has io; then run io 200 python3 benchmarks/io_bench.py; fi
 if has graphs-pallas; then
   run graphs-pallas 170 python3 benchmarks/graphs_bench.py --attention pallas \

@@ -51,11 +51,11 @@ class TrainSettings:
   max_position_embeddings: int = 1024
   seq_len: int = 512
   batch_size: int = 32
-  steps: int = 2000
+  steps: int = 700
   learning_rate: float = 2e-3
-  warmup_steps: int = 100
+  warmup_steps: int = 50
   weight_decay: float = 0.1
-  eval_every: int = 100
+  eval_every: int = 50
   eval_windows: int = 64
   seed: int = 0
 
