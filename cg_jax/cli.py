@@ -1,4 +1,4 @@
-"""Command line: `python -m cg_jax generate --model PATH_OR_PRESET --prompt TEXT ...`."""
+"""Command line: `python -m cg_jax generate [--model PATH_OR_NAME] --prompt TEXT ...`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS
+from cg_jax.hub import DEFAULT_MODEL
 
 
 def _int_list(text: str) -> list[int]:
@@ -20,8 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m cg_jax", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
   gen = sub.add_parser("generate", help="generate a continuation and print it with stats")
-  gen.add_argument("--model", required=True,
-                   help="checkpoint directory, preset name (random weights) or HF model name "
+  gen.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint directory, bundled model (default: %(default)s, trained on "
+                        "the King James Bible), preset name (random weights) or HF model name "
                         "in the local Hugging Face cache")
   prompt = gen.add_mutually_exclusive_group(required=True)
   prompt.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")

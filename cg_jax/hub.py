@@ -1,14 +1,29 @@
-"""Finding a model: a checkpoint directory, or a Hugging Face model name in the local HF cache."""
+"""Finding a model: a checkpoint directory, a model bundled with the package, or a Hugging Face
+model name in the local HF cache."""
 
 from __future__ import annotations
 
 import os
 
+import models
 from models.config import PRESETS
+
+# Trained checkpoints shipped inside the package (models/pretrained/<name>, Hugging Face format).
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(models.__file__)), "pretrained")
+DEFAULT_MODEL = "kjv-llama-6m"
+
+
+def bundled_models() -> tuple[str, ...]:
+  """Names of the checkpoints bundled with the package."""
+  if not os.path.isdir(BUNDLED_DIR):
+    return ()
+  return tuple(sorted(n for n in os.listdir(BUNDLED_DIR)
+                      if os.path.isfile(os.path.join(BUNDLED_DIR, n, "config.json"))))
 
 
 def resolve_model(name: str | os.PathLike) -> str:
-  """A checkpoint directory, or a Hugging Face model name found in the local HF cache.
+  """A checkpoint directory, a bundled model's name, or a Hugging Face model name found in the
+  local HF cache.
 
   Raises:
     ValueError: neither a directory nor a cached model (no network access is attempted).
@@ -16,6 +31,8 @@ def resolve_model(name: str | os.PathLike) -> str:
   path = os.fspath(name)
   if os.path.isdir(path):
     return path
+  if path in bundled_models():
+    return os.path.join(BUNDLED_DIR, path)
   hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
       os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
       "hub")
@@ -31,6 +48,7 @@ def resolve_model(name: str | os.PathLike) -> str:
     newest = max(os.listdir(snapshots), key=lambda s: os.path.getmtime(os.path.join(snapshots, s)))
     return os.path.join(snapshots, newest)
   raise ValueError(
-      f"model {path!r} is not a directory, a preset ({', '.join(PRESETS)}), or a model in the "
+      f"model {path!r} is not a directory, a bundled model ({', '.join(bundled_models())}), a "
+      f"preset ({', '.join(PRESETS)}), or a model in the "
       f"local Hugging Face cache ({hub}); no network access is attempted. Download it first "
       f"(e.g. `huggingface-cli download {path}`) or pass a checkpoint directory.")
