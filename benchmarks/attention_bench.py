@@ -18,13 +18,13 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_meta import git_commit
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_reference)
 from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attention,
@@ -175,6 +175,47 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
   return rows
 
 
+def mosaic_probe_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
+  """The Mosaic GPU backend on the same prefill shapes: jax's bundled FlashAttention-3 example
+  kernel (jax.experimental.pallas.ops.gpu.attention_mgpu, float16, causal, no padding lengths),
+  timed here only to choose a backend by measurement; cg_jax does not depend on it."""
+  try:
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+  except ImportError as err:
+    return [dict(kernel="mosaic_gpu_fa3_probe", error=f"ImportError: {err}")]
+  rows = []
+  for head_dim in head_dims:
+    for seq in seq_lens:
+      q, k, v, lengths = _random_inputs(seq + head_dim, (batch, seq, heads, head_dim),
+                                        (batch, seq, kv_heads, head_dim), batch, seq)
+      q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+      row = dict(kernel="mosaic_gpu_fa3_probe", batch=batch, seq_len=seq, heads=heads,
+                 kv_heads=kv_heads, head_dim=head_dim, dtype="float16")
+      best = None
+      for block_kv in (64, 128, 256):
+        try:
+          config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv,
+                                               max_concurrent_steps=2, causal=True)
+          fn = jax.jit(functools.partial(attention_mgpu.attention, config=config))
+          us = _median_us(fn, q, k, v)
+        except Exception as err:  # shared-memory limits, unsupported shapes: record and go on
+          row.setdefault("errors", []).append(f"block_kv={block_kv}: {type(err).__name__}: "
+                                              f"{str(err)[:200]}")
+          continue
+        if best is None or us < best[0]:
+          best = (us, block_kv, fn)
+      if best is not None:
+        reference = jax.jit(flash_attention_reference)
+        row.update(mosaic_us=best[0], mosaic_block_kv=best[1],
+                   rel_error_vs_xla=_relative_error(best[2](q, k, v),
+                                                    reference(q, k, v, lengths)),
+                   mosaic_tflops=4 * batch * heads * seq * seq * head_dim / 2 / best[0] / 1e6)
+      rows.append(row)
+      print(f"mosaic probe D={head_dim} S={seq}: {row.get('mosaic_us', float('nan')):8.1f} us "
+            f"{row.get('errors', '')}", flush=True)
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -182,6 +223,8 @@ def main():
   parser.add_argument("--cache-lens", default="1024,4096,16384")
   parser.add_argument("--seq-lens", default="512,2048")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in the interpreter (CPU)")
+  parser.add_argument("--parts", default="decode,prefill",
+                      help="comma list of decode, prefill, mosaic-probe (GPU only)")
   args = parser.parse_args()
   if args.smoke:
     global INTERPRET
@@ -190,18 +233,27 @@ def main():
     DECODE_CONFIGS, PREFILL_CONFIGS = DECODE_CONFIGS[:2], PREFILL_CONFIGS[:1]
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
   os.makedirs(args.out, exist_ok=True)
-  commit = os.environ.get("CG_JAX_COMMIT") or subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+  commit = git_commit()
   meta = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, commit=commit,
               date=datetime.date.today().isoformat(), dtype="bfloat16")
-  rows = decode_rows([int(b) for b in args.batches.split(",")],
-                     [int(t) for t in args.cache_lens.split(",")])
-  rows += prefill_rows([int(s) for s in args.seq_lens.split(",")])
+  parts = args.parts.split(",")
+  rows = []
+  if "decode" in parts:
+    rows += decode_rows([int(b) for b in args.batches.split(",")],
+                        [int(t) for t in args.cache_lens.split(",")])
+  if "prefill" in parts:
+    rows += prefill_rows([int(s) for s in args.seq_lens.split(",")])
+  if "mosaic-probe" in parts:
+    rows += mosaic_probe_rows([int(s) for s in args.seq_lens.split(",")])
   rows = [dict(meta, **r) for r in rows]
   with open(os.path.join(args.out, "attention_rows.json"), "w") as f:
     json.dump(rows, f, indent=1)
   print("\nkernel           shape                pallas_us   xla_us  torch_us  share_of_ceiling")
   for r in rows:
+    if r["kernel"] == "mosaic_gpu_fa3_probe":
+      print(f"{r['kernel']:16s} D={r.get('head_dim')} S={r.get('seq_len')} "
+            f"{r.get('mosaic_us', float('nan')):9.1f} us")
+      continue
     shape = (f"B={r['batch']} T={r['cache_len']}" if r["kernel"] == "decode_attention"
              else f"D={r['head_dim']} S={r['seq_len']}")
     share = r.get("pallas_bandwidth_share", r.get("pallas_share_of_ceiling"))

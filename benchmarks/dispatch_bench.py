@@ -17,12 +17,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 
+from bench_meta import git_commit
 from cg_jax import Engine, profile
 
 
@@ -34,7 +34,8 @@ def trivial_dispatch_us(engine: Engine, batch: int, repeats: int = 32) -> float:
     return cache, tokens + 1, positions + 1
 
   step = jax.jit(touch, donate_argnums=(1, 2, 3))
-  cache = engine._ensure_cache()
+  engine.warmup(phases=(), progress=False)  # allocates the KV cache
+  cache = engine._cache
   tokens, positions = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
   cache, tokens, positions = step(weights, cache, tokens, positions)
   times = []
@@ -58,8 +59,7 @@ def main():
   parser.add_argument("--variants", default="{}",
                       help='JSON {name: {xla option: value}}, each on top of graphs="full"')
   args = parser.parse_args()
-  commit = os.environ.get("CG_JAX_COMMIT") or subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+  commit = git_commit()
   meta = dict(system="cg_jax", model=args.model, batch=args.batch, gpu=jax.devices()[0].device_kind,
               jax_version=jax.__version__, commit=commit, date=datetime.date.today().isoformat())
   base = Engine.from_pretrained(args.model, dtype="bfloat16", batch_buckets=(args.batch,),
@@ -73,10 +73,15 @@ def main():
     try:
       engine = base.with_options(graphs=mode, compiler_options=options, compilation_cache=False)
       start = time.perf_counter()
-      engine.warmup(phases=("decode",), progress=False)
+      engine.warmup(phases=("decode", "loop") if mode == "full" else ("decode",), progress=False)
       row["compile_s"] = time.perf_counter() - start
       row.update(profile.time_decode(engine, args.batch, position=args.max_seq_len // 2))
       row["trivial_dispatch_us"] = trivial_dispatch_us(engine, args.batch)
+      if mode == "full":  # one call per K tokens
+        row["loop_call_dispatch_us"] = profile.device_loop_dispatch_us(
+            engine, args.batch, position=args.max_seq_len // 2)
+        row["loop_dispatch_per_token_us"] = (row["loop_call_dispatch_us"]
+                                             / engine.config.decode_loop_steps)
     except Exception as err:  # an option this XLA rejects: record it and go on
       row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
     rows.append(row)
@@ -84,13 +89,14 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "dispatch_rows.json"), "w") as f:
     json.dump(rows, f, indent=1)
-  print(f"\n{'variant':28s} {'step_us':>9s} {'dispatch_us':>12s} {'trivial_us':>11s}")
+  print(f"\n{'variant':28s} {'step_us':>9s} {'dispatch_us':>12s} {'trivial_us':>11s} "
+        f"{'loop/token':>10s}")
   for r in rows:
     if "error" in r:
       print(f"{r['variant']:28s} error: {r['error'][:80]}")
     else:
       print(f"{r['variant']:28s} {r['step_us']:9.1f} {r['host_dispatch_wall_us']:12.1f} "
-            f"{r['trivial_dispatch_us']:11.1f}")
+            f"{r['trivial_dispatch_us']:11.1f} {r.get('loop_dispatch_per_token_us', float('nan')):10.1f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #   attention      Pallas attention kernels: correctness, config search, XLA and torch SDPA
 #   io             host I/O: streamed tokens, pinned transfers, KV swap
 #   graphs-pallas  graph modes with Pallas attention in the decode step
+#   io-overlap, dispatch-loop, mosaic-probe, graphs-b32   short follow-ups (see below)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
@@ -57,6 +58,17 @@ if has io; then run io 200 python3 benchmarks/io_bench.py; fi
 if has graphs-pallas; then
   run graphs-pallas 170 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8 --traces none
+fi
+# Short follow-ups (one small device call): swap/compute overlap, device-loop dispatch, the
+# Mosaic GPU backend probe, batch-32 rows.
+if has io-overlap; then run io-overlap 50 python3 benchmarks/io_bench.py --parts swap-overlap; fi
+if has dispatch-loop; then run dispatch-loop 50 python3 benchmarks/dispatch_bench.py --modes full; fi
+if has mosaic-probe; then
+  run mosaic-probe 45 python3 benchmarks/attention_bench.py --parts mosaic-probe
+fi
+if has graphs-b32; then
+  run graphs-b32 75 python3 benchmarks/graphs_bench.py --attention pallas --models gpt2 \
+    --modes full --layer-loops unroll --batches 32 --traces none --loop-batches none
 fi
 if has baselines; then
   echo "=== baselines ($(date +%T)) ==="

@@ -17,24 +17,15 @@ import itertools
 import json
 import os
 import shutil
-import subprocess
 import time
 
 import jax
-import numpy as np
 
+from bench_meta import git_commit
 from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
 
 HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy bandwidth of the H200 (shared/gpu-facts)
-
-
-def _commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return os.environ.get("CG_JAX_COMMIT", "unknown")
 
 
 def floor_us(engine: Engine, batch: int, position: int) -> float:
@@ -55,14 +46,15 @@ def main():
   parser.add_argument("--max-seq-len", type=int, default=1024)
   parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   parser.add_argument("--traces", default="gpt2", help="models whose batch-1 traces are kept")
-  parser.add_argument("--loop-batches", default="1", help="batches that time the device loop")
+  parser.add_argument("--loop-batches", default="1",
+                      help="batches that time the device loop ('none': no loop timing)")
   parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
   args = parser.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   os.makedirs(args.out, exist_ok=True)
   meta = dict(system="cg_jax", gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
               attention=args.attention,
-              commit=_commit(), date=datetime.date.today().isoformat(), dtype="bfloat16",
+              commit=git_commit(), date=datetime.date.today().isoformat(), dtype="bfloat16",
               position=args.position, max_seq_len=args.max_seq_len)
   rows, rows_path = [], os.path.join(args.out, "graphs_rows.json")
   prompt = [[11, 22, 33, 44, 55, 66, 77]]
@@ -77,7 +69,7 @@ def main():
         engine.warmup(batch_sizes=[1], phases=("prefill", "first", "decode"), progress=False)
         tokens = list(engine.generate(prompt, max_new_tokens=16, eos_token_id=[]))
         reference_tokens = reference_tokens or tokens
-        loop_batches = [int(b) for b in args.loop_batches.split(",")]
+        loop_batches = [int(b) for b in args.loop_batches.split(",") if b.strip().isdigit()]
         for batch in batches:
           timed_loop = batch in loop_batches
           engine.warmup(batch_sizes=[batch], phases=("decode", "loop") if timed_loop else ("decode",),

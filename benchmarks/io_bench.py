@@ -13,14 +13,14 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import tempfile
+import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from bench_meta import git_commit
 from cg_jax import Engine, host_io, profile
 
 
@@ -96,8 +96,8 @@ def swap_rows(model: str, batch: int, max_seq_len: int) -> list[dict]:
   engine = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=(batch,),
                                   prompt_buckets=(16,), max_seq_len=max_seq_len,
                                   compilation_cache=False)
-  cache = engine._ensure_cache()
-  size = cache.k.nbytes + cache.v.nbytes
+  engine.warmup(phases=(), progress=False)  # allocates the KV cache only
+  size = sum(x.nbytes for x in jax.tree.leaves(engine._cache))
   out_s = _median_s(lambda: (engine.swap_out(), engine.swap_in(), jax.block_until_ready(engine._cache)))
   engine.swap_out()
   start = time.perf_counter()
@@ -113,6 +113,31 @@ def swap_rows(model: str, batch: int, max_seq_len: int) -> list[dict]:
                swap_in_gb_per_s=size / in_s / 1e9)]
 
 
+def swap_overlap_rows(model: str, swap_model: str, swap_batch: int, swap_max_seq_len: int,
+                      max_seq_len: int) -> list[dict]:
+  """Engine B swaps its KV cache out to pinned host memory (in a thread) while engine A runs
+  decode steps; a profile shows how much of the copy time overlaps A's kernels."""
+  runner = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=(1,), prompt_buckets=(16,),
+                                  max_seq_len=max_seq_len, graphs="full", layer_loop="unroll",
+                                  compilation_cache=False)
+  runner.warmup(phases=("decode",), progress=False)
+  other = Engine.from_pretrained(swap_model, dtype="bfloat16", batch_buckets=(swap_batch,),
+                                 prompt_buckets=(16,), max_seq_len=swap_max_seq_len,
+                                 compilation_cache=False)
+  other.warmup(phases=(), progress=False)  # allocates the KV cache only
+  alone = profile.time_decode(runner, 1, position=max_seq_len // 2, steps=32, repeats=3)
+  logdir = tempfile.mkdtemp()
+  with jax.profiler.trace(logdir):
+    swapper = threading.Thread(target=other.swap_out)
+    swapper.start()
+    during = profile.time_decode(runner, 1, position=max_seq_len // 2, steps=32, repeats=3)
+    swapper.join()
+  other.swap_in()
+  overlap = profile.copy_overlap(profile.find_trace(logdir))
+  return [dict(kind="swap_overlap", model=model, swap_model=swap_model, batch=1,
+               step_us=alone["step_us"], step_during_swap_us=during["step_us"], **overlap)]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -122,16 +147,22 @@ def main():
   parser.add_argument("--swap-model", default="llama-3.2-1b")
   parser.add_argument("--swap-batch", type=int, default=8)
   parser.add_argument("--swap-max-seq-len", type=int, default=4096)
+  parser.add_argument("--parts", default="transfer,stream,swap",
+                      help="comma list of transfer, stream, swap, swap-overlap")
   args = parser.parse_args()
   device = jax.devices()[0]
-  commit = os.environ.get("CG_JAX_COMMIT") or subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+  commit = git_commit()
   meta = dict(system="cg_jax", gpu=device.device_kind, jax_version=jax.__version__, commit=commit,
               date=datetime.date.today().isoformat())
-  rows = transfer_rows(device, args.transfer_bytes)
-  for model in args.models.split(","):
+  parts = args.parts.split(",")
+  rows = transfer_rows(device, args.transfer_bytes) if "transfer" in parts else []
+  for model in args.models.split(",") if "stream" in parts else ():
     rows += stream_rows(model, 1, 64, "full", args.max_seq_len)
-  rows += swap_rows(args.swap_model, args.swap_batch, args.swap_max_seq_len)
+  if "swap" in parts:
+    rows += swap_rows(args.swap_model, args.swap_batch, args.swap_max_seq_len)
+  if "swap-overlap" in parts:
+    rows += swap_overlap_rows(args.models.split(",")[0], args.swap_model, args.swap_batch,
+                              args.swap_max_seq_len, args.max_seq_len)
   rows = [dict(meta, **r) for r in rows]
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "io_rows.json"), "w") as f:
@@ -143,6 +174,10 @@ def main():
       print(f"stream {r['model']:13s} lag {r['readback_lag']} {r['stream_token_us']:8.1f} us/token "
             f"step {r['step_us']:8.1f} us ratio {r['stream_over_step']:.3f} "
             f"overlap {r.get('overlap_share', float('nan')):.2f}")
+    elif r["kind"] == "swap_overlap":
+      print(f"swap-overlap {r['model']} step {r['step_us']:.1f} us alone, "
+            f"{r['step_during_swap_us']:.1f} us during the swap; memcpy {r['memcpy_us']:.0f} us, "
+            f"{100 * r['overlap_share']:.1f}% overlapping kernels")
     else:
       print(f"swap {r['bytes'] / 1e9:.2f} GB out {r['swap_out_gb_per_s']:.1f} GB/s "
             f"in {r['swap_in_gb_per_s']:.1f} GB/s")

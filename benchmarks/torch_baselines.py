@@ -52,7 +52,6 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -62,9 +61,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, StaticCache
 
+from bench_meta import git_commit
+
 SYSTEMS = ("torch_eager", "torch_cuda_graph", "torch_compile", "hf_dynamic", "hf_static")
 DECODE_SYSTEMS = ("torch_eager", "torch_cuda_graph", "torch_compile")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Full-run defaults, then the --smoke overrides (tiny shapes, few steps, on the CPU).
 DEFAULTS = dict(position=512, max_len=1024, steps=32, repeats=20, warmup=5, new_tokens=64,
@@ -80,15 +80,6 @@ GRAPH_RELATIVE_TOLERANCE = 1e-2
 
 # ------------------------------------------------------------------------------------------------
 # Environment, timing, output
-
-
-def git_commit() -> str:
-  """Short hash of HEAD, else $CG_JAX_COMMIT, else 'unknown'."""
-  try:
-    return subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return os.environ.get("CG_JAX_COMMIT", "unknown")
 
 
 def synchronize(device: torch.device) -> None:

@@ -252,13 +252,15 @@ def _device_loop_runner(engine, batch: int, position: int):
   eos = np.full((8,), -1, np.int32)
 
   def once():
+    """(host seconds until the call returned, seconds until its tokens were on the host)."""
     loop_state = LoopState(tokens=jnp.array(state.tokens), positions=jnp.array(state.positions),
                            done=jnp.zeros((bucket,), bool), budget=jnp.full((bucket,), k, jnp.int32))
-    jax.block_until_ready(engine._cache)
+    jax.block_until_ready((engine._cache, loop_state))
     start = time.perf_counter()
     _, out, engine._cache = loop(engine._split.weights, engine._cache, loop_state, eos, None)
+    returned = time.perf_counter() - start
     np.asarray(out)
-    return time.perf_counter() - start
+    return returned, time.perf_counter() - start
 
   return once, k
 
@@ -267,7 +269,14 @@ def time_device_loop(engine, batch: int, *, position: int = 512, repeats: int = 
   """Median per-token latency (us) of the greedy device loop (K tokens per host call)."""
   once, k = _device_loop_runner(engine, batch, position)
   once()
-  return statistics.median(once() for _ in range(repeats)) / k * 1e6
+  return statistics.median(once()[1] for _ in range(repeats)) / k * 1e6
+
+
+def device_loop_dispatch_us(engine, batch: int, *, position: int = 512, repeats: int = 16) -> float:
+  """Median host time (us) of one device-loop call (K tokens) issued into an idle queue."""
+  once, _ = _device_loop_runner(engine, batch, position)
+  once()
+  return statistics.median(once()[0] for _ in range(repeats)) * 1e6
 
 
 def profile_device_loop(engine, batch: int, *, position: int = 512, calls: int = 3,
