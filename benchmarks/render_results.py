@@ -41,7 +41,9 @@ def attention(rows: list[dict]) -> list[str]:
           "reference| / max|reference|.", "",
           "| kernel | shape | pallas us | XLA us | torch SDPA us | pallas vs torch | share of ceiling "
           "| rel err | config |", "|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
+  kernels = [r for r in rows if r["kernel"] != "mosaic_gpu_fa3_probe"]
+  probes = [r for r in rows if r["kernel"] == "mosaic_gpu_fa3_probe"]
+  for r in kernels:
     decode = r["kernel"] == "decode_attention"
     shape = (f"B={r['batch']} T={r['cache_len']}" if decode
              else f"B={r['batch']} S={r['seq_len']} D={r['head_dim']}")
@@ -52,6 +54,21 @@ def attention(rows: list[dict]) -> list[str]:
     out.append(f"| {r['kernel']} | {shape} | {_fmt(r['pallas_us'])} | {_fmt(r['xla_us'])} | "
                f"{_fmt(torch_us)} | {ratio} | {100 * share:.1f}% | {r['rel_error_vs_xla']:.1e} | "
                f"{config} |")
+  if probes:
+    prefill = {(r["seq_len"], r["head_dim"]): r for r in kernels if r["kernel"] == "flash_attention"}
+    out += ["", "Mosaic GPU probe: jax's bundled FlashAttention-3 example kernel "
+            "(`jax.experimental.pallas.ops.gpu.attention_mgpu`, float16, causal, block_q 64, best "
+            "block_kv; no padding lengths), timed on the same prefill shapes to choose a backend "
+            "by measurement. cg_jax does not depend on it.", "",
+            "| shape | Mosaic GPU FA3 us | cg_jax Triton flash us | torch SDPA us | Triton / Mosaic |",
+            "|---|---|---|---|---|"]
+    for r in probes:
+      ours = prefill.get((r["seq_len"], r["head_dim"]), {})
+      ratio = ("-" if not (ours and r.get("mosaic_us"))
+               else f"{ours['pallas_us'] / r['mosaic_us']:.2f}")
+      out.append(f"| B={r['batch']} S={r['seq_len']} D={r['head_dim']} | "
+                 f"{_fmt(r.get('mosaic_us'))} | {_fmt(ours.get('pallas_us'))} | "
+                 f"{_fmt(ours.get('torch_sdpa_us'))} | {ratio} |")
   return out
 
 
@@ -69,6 +86,11 @@ def io(rows: list[dict]) -> list[str]:
       out.append(f"| stream | {r['model']} B={r['batch']} lag {r['readback_lag']} | "
                  f"{r['stream_token_us']:.1f} us/token vs step {r['step_us']:.1f} us = "
                  f"{r['stream_over_step']:.3f}x |")
+    elif r["kind"] == "swap_overlap":
+      out.append(f"| swap overlapped with decode | {r['swap_model']} cache swapped out (thread) "
+                 f"while {r['model']} B={r['batch']} decodes | step {r['step_us']:.1f} us alone, "
+                 f"{r['step_during_swap_us']:.1f} us during the swap; copies {r['memcpy_us']:.0f} "
+                 f"us, {100 * r['overlap_share']:.1f}% of it overlapping kernels (profile) |")
     else:
       out.append(f"| swap | {r['bytes'] / 1e9:.2f} GB | out {r['swap_out_s'] * 1e3:.1f} ms "
                  f"({r['swap_out_gb_per_s']:.1f} GB/s), in {r['swap_in_s'] * 1e3:.1f} ms "
@@ -80,17 +102,23 @@ def dispatch(rows: list[dict]) -> list[str]:
   out = _header(rows, "Host dispatch of one decode step")
   out += ["gpt2 shape, batch 1, bfloat16, unrolled layers. dispatch = host time of one step "
           "call into an idle GPU queue (median of 16); trivial = the same for an executable with "
-          "the step's arguments and no real work; step = pipelined step time.", "",
-          "| variant | XLA options / flags | step us | dispatch us | trivial us |",
-          "|---|---|---|---|---|"]
+          "the step's arguments and no real work; step = pipelined step time; loop = host time "
+          "of one device-loop call (K=16 tokens) into an idle queue, per token.", "",
+          "| variant | XLA options / flags | step us | dispatch us | trivial us | loop us/token |",
+          "|---|---|---|---|---|---|"]
   for r in rows:
     options = ", ".join(f"{k}={v}" for k, v in r.get("extra_options", {}).items())
     options = "; ".join(x for x in (options, r.get("xla_flags", "")) if x) or "-"
     if "error" in r:
-      out.append(f"| {r['variant']} | {options} | error: {r['error'][:120]} | | |")
+      out.append(f"| {r['variant']} | {options} | error: {r['error'][:120]} | | | |")
     else:
       out.append(f"| {r['variant']} | {options} | {_fmt(r['step_us'])} | "
-                 f"{_fmt(r['host_dispatch_wall_us'])} | {_fmt(r['trivial_dispatch_us'])} |")
+                 f"{_fmt(r['host_dispatch_wall_us'])} | {_fmt(r['trivial_dispatch_us'])} | "
+                 f"{_fmt(r.get('loop_dispatch_per_token_us'))} |")
+  logs = [f"- {r['variant']}: {r['command_buffer_log']}" for r in rows if r.get("command_buffer_log")]
+  if logs:
+    out += ["", "XLA's own command-buffer log (`TF_CPP_VMODULE=command_buffer_thunk=3,"
+            "command_executor=1`):", ""] + logs
   return out
 
 

@@ -54,7 +54,7 @@ class EngineConfig:
   layer_loop: str = "scan"
   graphs: str = "xla-default"
   decode_loop_steps: int = 16
-  readback_lag: int = 1
+  readback_lag: int = 2
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
@@ -145,7 +145,7 @@ class Engine:
                batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                prompt_buckets: Sequence[int] | None = None, attention: str | None = None,
                layer_loop: str | None = None, graphs: str = "xla-default",
-               decode_loop_steps: int = 16, readback_lag: int = 1,
+               decode_loop_steps: int = 16, readback_lag: int = 2,
                compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):

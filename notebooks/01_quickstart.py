@@ -45,7 +45,8 @@ print({k: round(v, 5) if isinstance(v, float) else v for k, v in result.stats.it
 
 # %% [markdown]
 # ## Stream
-# Tokens arrive as they are produced (read back asynchronously, one step behind the device).
+# Tokens arrive as they are produced (read back asynchronously, `readback_lag` steps behind the
+# device).
 
 # %%
 for chunk in engine.stream([prompts[0]], max_new_tokens=12, do_sample=True, temperature=0.8,

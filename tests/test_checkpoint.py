@@ -135,7 +135,7 @@ def test_no_weights_file(tmp_path):
 
 
 def test_not_a_model(tmp_path):
-  with pytest.raises(ValueError, match="not a directory, a preset"):
+  with pytest.raises(ValueError, match="not a directory, a bundled model .*, a preset"):
     Engine.from_pretrained(str(tmp_path / "nope"))
 
 
