@@ -10,6 +10,7 @@
 #   io             host I/O: streamed tokens, pinned transfers, KV swap
 #   graphs-pallas  graph modes with Pallas attention in the decode step
 #   io-overlap, dispatch-loop, mosaic-probe, graphs-b32   short follow-ups (see below)
+#   matmul-rows    decode step with the products padded to 1, 8, 16 rows
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
@@ -69,6 +70,11 @@ fi
 if has graphs-b32; then
   run graphs-b32 75 python3 benchmarks/graphs_bench.py --attention pallas --models gpt2 \
     --modes full --layer-loops unroll --batches 32 --traces none --loop-batches none
+fi
+if has matmul-rows; then  # zero-padded decode products (Engine(min_matmul_rows=...))
+  run matmul-rows 200 python3 benchmarks/graphs_bench.py --attention pallas \
+    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1 --traces none \
+    --loop-batches none --matmul-rows 1,8,16
 fi
 if has baselines; then
   echo "=== baselines ($(date +%T)) ==="

@@ -45,6 +45,7 @@ class EngineConfig:
   graphs: CUDA-graph mode (`cg_jax.graphs.GRAPH_MODES`).
   decode_loop_steps: K, tokens per host call in the device loop.
   readback_lag: steps launched ahead of the one whose tokens the host reads (0: synchronous).
+  min_matmul_rows: decode steps pad the layers' products to at least this many rows.
   compiler_options: XLA options applied to every executable (the graph mode's, plus extras).
   """
 
@@ -55,6 +56,7 @@ class EngineConfig:
   graphs: str = "xla-default"
   decode_loop_steps: int = 16
   readback_lag: int = 2
+  min_matmul_rows: int = 1
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
@@ -133,6 +135,10 @@ class Engine:
     decode_loop_steps: tokens generated per host call in the device loop.
     readback_lag: decode steps launched ahead of the step whose tokens are being read back
       (asynchronous device-to-host copies); 0 reads every step synchronously.
+    min_matmul_rows: in decode steps, products with fewer rows (batch rows) are zero-padded to
+      this many, so XLA emits GEMMs instead of its single-row multiply-and-reduce rewrite
+      (1 = no padding). Results are unchanged; it is a speed setting, measured in
+      benchmarks/graphs_bench.py.
     compiler_options: extra XLA options for every executable, on top of the graph mode's.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off.
@@ -145,7 +151,7 @@ class Engine:
                batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                prompt_buckets: Sequence[int] | None = None, attention: str | None = None,
                layer_loop: str | None = None, graphs: str = "xla-default",
-               decode_loop_steps: int = 16, readback_lag: int = 2,
+               decode_loop_steps: int = 16, readback_lag: int = 2, min_matmul_rows: int = 1,
                compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):
@@ -175,10 +181,13 @@ class Engine:
       raise ValueError(f"decode_loop_steps must be an int >= 1, got {decode_loop_steps!r}")
     if not isinstance(readback_lag, int) or not 0 <= readback_lag <= 8:
       raise ValueError(f"readback_lag must be an int in [0, 8], got {readback_lag!r}")
+    if (not isinstance(min_matmul_rows, int) or isinstance(min_matmul_rows, bool)
+        or not 1 <= min_matmul_rows <= 64):
+      raise ValueError(f"min_matmul_rows must be an int in [1, 64], got {min_matmul_rows!r}")
     self.config = EngineConfig(
         max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
         graphs=graphs, decode_loop_steps=decode_loop_steps, readback_lag=readback_lag,
-        compiler_options=tuple(sorted(options.items())))
+        min_matmul_rows=min_matmul_rows, compiler_options=tuple(sorted(options.items())))
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
 
@@ -198,7 +207,8 @@ class Engine:
     device_weights = {n: jax.device_put(jnp.asarray(w, dtype=self.dtype)) for n, w in weights.items()}
     nnx.replace_by_pure_dict(state, device_weights)
     self._split = SplitModel.from_state(graphdef, state)
-    self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps)
+    self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps,
+                                min_matmul_rows)
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
     self._cache: KVCache | None = None
@@ -245,6 +255,7 @@ class Engine:
                    attention=self.config.attention, layer_loop=self.config.layer_loop,
                    graphs=self.config.graphs, decode_loop_steps=self.config.decode_loop_steps,
                    readback_lag=self.config.readback_lag,
+                   min_matmul_rows=self.config.min_matmul_rows,
                    compiler_options=self._extra_compiler_options)
     options.update(engine_options)
     engine = Engine(self.model_config, self.weights(), **options)
@@ -376,6 +387,8 @@ class Engine:
         "attention": self.config.attention,
         "layer_loop": self.config.layer_loop,
         "graphs": self.config.graphs,
+        "readback_lag": self.config.readback_lag,
+        "min_matmul_rows": self.config.min_matmul_rows,
         "compiler_options": dict(self.config.compiler_options),
         "max_seq_len": self.config.max_seq_len,
         "batch_buckets": self.config.buckets.batch_sizes,

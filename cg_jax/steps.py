@@ -75,16 +75,19 @@ class StepFunctions:
     layer_loop: "scan" or "unroll" for the per-token steps (see `models.decoder`); prefill runs
       once per request and always scans (small program, fast compile).
     loop_steps: K, tokens generated per device-loop call.
+    min_matmul_rows: decode steps run the layers' products on at least this many rows.
   """
 
   split: SplitModel
   attention: str
   layer_loop: str
   loop_steps: int
+  min_matmul_rows: int = 1
 
   @property
   def _model_options(self):
-    return {"attention": self.attention, "layer_loop": self.layer_loop}
+    return {"attention": self.attention, "layer_loop": self.layer_loop,
+            "min_matmul_rows": self.min_matmul_rows}
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)

@@ -104,10 +104,21 @@ def _apply_rope(x, positions, inv_freq):
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _matmul(x, w):
-  """x [..., I] @ w [I, O], true float32 on GPU for float32 weights (no TF32)."""
+def _matmul(x, w, min_rows: int = 1):
+  """x [..., I] @ w [I, O], true float32 on GPU for float32 weights (no TF32).
+
+  With fewer than `min_rows` rows, the rows are zero-padded up to `min_rows` for the product and
+  the padding sliced off again: XLA rewrites a single-row product (matrix-vector) as a
+  multiply-and-reduce fusion, and a few padded rows keep it a GEMM. The real rows' results
+  do not depend on the padding.
+  """
   precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-  return jnp.matmul(x, w, precision=precision)
+  rows = math.prod(x.shape[:-1])
+  if rows >= min_rows:
+    return jnp.matmul(x, w, precision=precision)
+  # [min_rows, I] with rows [rows, min_rows) zero
+  padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, min_rows - rows), (0, 0)))
+  return jnp.matmul(padded, w, precision=precision)[:rows].reshape(*x.shape[:-1], w.shape[-1])
 
 
 def _norm(x, scale, bias, eps: float):
@@ -221,13 +232,14 @@ class Decoder(nnx.Module):
     precision = jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None
     return jnp.matmul(x, head, precision=precision, preferred_element_type=jnp.float32)
 
-  def _block(self, x, w, positions, attend):
-    """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H]."""
+  def _block(self, x, w, positions, attend, min_rows: int = 1):
+    """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H]; products
+    with fewer than `min_rows` rows are padded (see `_matmul`)."""
     c = self.config
     batch, seq, _ = x.shape
     h = _norm(x, w["attn_norm_scale"], w.get("attn_norm_bias"), c.norm_eps)
     # [B, S, (Nq + 2K) * H]
-    qkv = _matmul(h, w["qkv_kernel"])
+    qkv = _matmul(h, w["qkv_kernel"], min_rows)
     if "qkv_bias" in w:
       qkv = qkv + w["qkv_bias"]
     q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -238,12 +250,12 @@ class Decoder(nnx.Module):
       inv_freq = jnp.asarray(rope_inverse_frequencies(c))
       q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
     attn = attend(q, k, v).reshape(batch, seq, q_width)
-    x = x + _matmul(attn, w["out_kernel"])
+    x = x + _matmul(attn, w["out_kernel"], min_rows)
     if "out_bias" in w:
       x = x + w["out_bias"]
     h = _norm(x, w["mlp_norm_scale"], w.get("mlp_norm_bias"), c.norm_eps)
     # [B, S, F] or [B, S, 2F] = [gate | up]
-    u = _matmul(h, w["mlp_in_kernel"])
+    u = _matmul(h, w["mlp_in_kernel"], min_rows)
     if "mlp_in_bias" in w:
       u = u + w["mlp_in_bias"]
     if c.gated_mlp:
@@ -251,7 +263,7 @@ class Decoder(nnx.Module):
       a = _ACTIVATIONS[c.activation](gate) * up
     else:
       a = _ACTIVATIONS[c.activation](u)
-    x = x + _matmul(a, w["mlp_out_kernel"])
+    x = x + _matmul(a, w["mlp_out_kernel"], min_rows)
     if "mlp_out_bias" in w:
       x = x + w["mlp_out_bias"]
     return x
@@ -323,13 +335,15 @@ class Decoder(nnx.Module):
     return self._lm_head(x_last), KVCache(k=k_all, v=v_all)
 
   def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
-             layer_loop: str = "scan"):
+             layer_loop: str = "scan", min_matmul_rows: int = 1):
     """One decode step: each row's token is written at its own position and attends to the
     cache up to and including it.
 
     Args:
       tokens: int32 [B]; positions: int32 [B], each < T; cache: `KVCache` [L, B', T, K, H] with
         B' >= B; rows [0, B) are used and written.
+      min_matmul_rows: the layers' products run on at least this many rows (zero-padded;
+        see `_matmul`).
     Returns:
       (float32 [B, V] next-token logits, updated cache).
     """
@@ -349,7 +363,7 @@ class Decoder(nnx.Module):
                                backend=attention, layer=layer)
         return out[:, None]
 
-      x = self._block(x, w, positions[:, None], attend)
+      x = self._block(x, w, positions[:, None], attend, min_matmul_rows)
       return x, cache_out["k"], cache_out["v"]
 
     carry = (self._embed(tokens[:, None], positions[:, None]), cache.k, cache.v)

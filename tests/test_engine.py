@@ -255,7 +255,20 @@ def test_kv_cache_too_large_fails_at_construction():
     (dict(batch_buckets=()), "batch_sizes must be a non-empty"),
     (dict(decode_loop_steps=0), "decode_loop_steps"),
     (dict(dtype="int8"), "dtype must be one of"),
+    (dict(min_matmul_rows=0), r"min_matmul_rows must be an int in \[1, 64\], got 0"),
+    (dict(min_matmul_rows=2.0), "min_matmul_rows must be an int"),
 ])
 def test_bad_engine_options(options, match):
   with pytest.raises(ValueError, match=match):
     Engine(preset("tiny-gpt2"), **options)
+
+
+def test_padded_matmul_rows_give_the_same_tokens(engine):
+  """min_matmul_rows pads the decode products (host loop and device loop) without changing
+  a token."""
+  prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+  expected = engine.generate(prompts, max_new_tokens=12, eos_token_id=[])
+  padded = engine.with_options(min_matmul_rows=16)
+  assert padded.stats()["min_matmul_rows"] == 16
+  assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
+  assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[], device_loop=True) == expected
