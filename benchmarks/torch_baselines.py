@@ -30,7 +30,9 @@ for torch_compile); host_dispatch_us is the host time to issue one step into an 
 kernels_per_step, graph_launches_per_step and launches_outside_graphs_per_step come from a
 torch.profiler trace of a few steps (GPU only); compile_s is a cold compile (Inductor's caches
 are off unless --warm-compile-cache). Each row also records the greedy-token and max relative
-logits / K/V differences from torch_eager (asserted for torch_cuda_graph only).
+logits / K/V differences from torch_eager over the steps computed from equal inputs (asserted for
+torch_cuda_graph only; with random weights near ties are common, and a divergence is accepted
+only at a near tie).
 
   PYTHONPATH=$PWD python3 benchmarks/torch_baselines.py --system torch_cuda_graph \
       --model-dir /tmp/cg_jax_ckpt/llama-3.2-1b --batches 1,8,32 --position 512 --max-len 1024 \
@@ -343,12 +345,10 @@ class GraphLoop:
 
 
 def written_kv(decoder: StaticDecoder, start: int, steps: int) -> torch.Tensor:
-  """float32 copy of the keys and values every layer holds at positions [start, start + steps)."""
-  slices = []
-  for layer in decoder.cache.layers:
-    for tensor in (layer.keys, layer.values):
-      slices.append(tensor[:, :, start:start + steps].float().flatten())
-  return torch.cat(slices)
+  """float32 copy of the keys and values every layer holds at positions [start, start + steps):
+  [2 x layers, batch, kv heads, steps, head dim]."""
+  return torch.stack([tensor[:, :, start:start + steps].float()
+                      for layer in decoder.cache.layers for tensor in (layer.keys, layer.values)])
 
 
 def relative_max_diff(reference: torch.Tensor, candidate: torch.Tensor) -> float:
@@ -356,16 +356,36 @@ def relative_max_diff(reference: torch.Tensor, candidate: torch.Tensor) -> float
 
 
 def compare_to_eager(reference: list, reference_kv: torch.Tensor, candidate: list,
-                     candidate_kv: torch.Tensor, what: str) -> dict:
-  """Greedy tokens (identical at every step?), logits and written K/V (max relative diff)."""
-  tokens_equal = len(reference) == len(candidate) and all(
-      torch.equal(r[0], c[0]) for r, c in zip(reference, candidate))
-  logits_diff = max(relative_max_diff(r[1], c[1]) for r, c in zip(reference, candidate))
-  kv_diff = relative_max_diff(reference_kv, candidate_kv)
-  print(f"  {what}: greedy tokens {'identical' if tokens_equal else 'DIFFER'} over "
-        f"{len(reference)} steps; max|diff| / max|eager|: logits {logits_diff:.2e}, "
+                     candidate_kv: torch.Tensor, what: str,
+                     tolerance: float = GRAPH_RELATIVE_TOLERANCE) -> dict:
+  """Greedy tokens, logits and written K/V of a candidate loop against the eager loop.
+
+  Both loops start from the same state and feed their own argmax back. Once a token differs the
+  inputs differ, so logits and K/V are compared only on the steps computed from equal inputs:
+  steps 0..d for logits and positions 0..d for K/V, where d is the first step whose tokens
+  differ (all steps when none does). A divergence is legitimate only at a near tie: the eager
+  logits' top-2 gap at step d must be within 2 x `tolerance` x their max magnitude (the error
+  the logits comparison allows on each side).
+  """
+  steps = min(len(reference), len(candidate))
+  diverged = [i for i in range(steps) if not torch.equal(reference[i][0], candidate[i][0])]
+  last = diverged[0] if diverged else steps - 1
+  logits_diff = max(relative_max_diff(reference[i][1], candidate[i][1]) for i in range(last + 1))
+  kv_diff = relative_max_diff(reference_kv[..., :last + 1, :], candidate_kv[..., :last + 1, :])
+  near_tie = True
+  if diverged:
+    logits = reference[last][1]  # [B, V]
+    top2 = logits.topk(2, dim=-1).values
+    # The top-2 gap of each row whose token differs.
+    rows = (reference[last][0] != candidate[last][0]).reshape(-1)
+    gaps = (top2[..., 0] - top2[..., 1]).reshape(-1)[rows]
+    near_tie = bool((gaps <= 2 * tolerance * logits.abs().max()).all())
+  print(f"  {what}: greedy tokens "
+        f"{'identical' if not diverged else f'diverge at step {last} (near tie: {near_tie})'} "
+        f"over {steps} steps; max|diff| / max|eager| up to there: logits {logits_diff:.2e}, "
         f"written K/V {kv_diff:.2e}", flush=True)
-  return dict(tokens_match_eager=tokens_equal, logits_max_rel_diff=logits_diff,
+  return dict(tokens_match_eager=not diverged, first_divergent_step=last if diverged else None,
+              divergence_at_near_tie=near_tie, logits_max_rel_diff=logits_diff,
               kv_max_rel_diff=kv_diff)
 
 
@@ -419,7 +439,9 @@ def run_decode_system(system: str, model, prompt: torch.Tensor, args, device) ->
     check = compare_to_eager(reference, reference_kv, replayed,
                              written_kv(decoder, args.position, args.check_steps), what)
     result.update(check)
-    assert check["tokens_match_eager"], "torch_cuda_graph: greedy tokens differ from torch_eager"
+    assert check["divergence_at_near_tie"], (
+        f"torch_cuda_graph: greedy tokens differ from torch_eager at step "
+        f"{check['first_divergent_step']} without a near tie")
     for name in ("logits", "kv"):
       assert check[f"{name}_max_rel_diff"] <= GRAPH_RELATIVE_TOLERANCE, (
           f"torch_cuda_graph: {name} differ from torch_eager by "

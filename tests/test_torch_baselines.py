@@ -1,0 +1,56 @@
+"""The PyTorch baseline harness' correctness check (benchmarks/torch_baselines.py): logits and K/V
+are compared only on steps computed from equal inputs, and a token divergence passes only at a
+near tie."""
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from torch_baselines import compare_to_eager  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def _run(logits_rows):
+  """[(token, logits)] per step, tokens = argmax of the logits."""
+  return [(torch.tensor([int(l.argmax())]), l[None]) for l in logits_rows]
+
+
+def _kv(steps, seed):
+  return torch.randn(4, 1, 2, steps, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_identical_runs_match():
+  steps = [torch.tensor([0.1, 2.0, -1.0]), torch.tensor([3.0, 0.0, 1.0])]
+  kv = _kv(2, 0)
+  check = compare_to_eager(_run(steps), kv, _run(steps), kv.clone(), "same")
+  assert check["tokens_match_eager"] and check["logits_max_rel_diff"] == 0.0
+  assert check["first_divergent_step"] is None and check["divergence_at_near_tie"]
+
+
+def test_near_tie_divergence_is_accepted_and_later_steps_ignored():
+  eager = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([2.000, 1.999, 0.0]),
+           torch.tensor([5.0, 0.0, 0.0])]
+  # Step 1 flips within the logits' difference; step 2 then runs on another token (anything).
+  graph = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([1.998, 2.0, 0.0]),
+           torch.tensor([-9.0, 9.0, 9.0])]
+  kv_eager, kv_graph = _kv(3, 1), _kv(3, 1)
+  kv_graph[..., 2, :] += 100.0  # written from the diverged token: not compared
+  check = compare_to_eager(_run(eager), kv_eager, _run(graph), kv_graph, "tie")
+  assert not check["tokens_match_eager"] and check["first_divergent_step"] == 1
+  assert check["divergence_at_near_tie"]
+  assert check["logits_max_rel_diff"] < 1e-3 and check["kv_max_rel_diff"] == 0.0
+
+
+def test_divergence_without_a_tie_is_flagged():
+  eager = [torch.tensor([5.0, 0.0, 0.0])]
+  graph = [torch.tensor([0.0, 5.0, 0.0])]
+  kv = _kv(1, 2)
+  check = compare_to_eager(_run(eager), kv, _run(graph), kv.clone(), "broken")
+  assert not check["divergence_at_near_tie"] and check["logits_max_rel_diff"] == 1.0
