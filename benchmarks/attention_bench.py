@@ -18,13 +18,12 @@ import functools
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_meta import git_commit
+from bench_util import git_commit, median_call_us
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_reference)
 from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attention,
@@ -43,20 +42,10 @@ PREFILL_CONFIGS = tuple(
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
-def _median_us(fn, *args, calls: int = 20, rounds: int = 7) -> float:
-  """Per-call time of `calls` back-to-back calls (the queue stays full, so host dispatch hides
-  behind the kernels as in a decode step), median over rounds; compile excluded."""
+def _median_us(fn, *args) -> float:
   if INTERPRET:
-    calls, rounds = 1, 2
-  jax.block_until_ready(fn(*args))  # compile and warm
-  times = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls)
-  return statistics.median(times) * 1e6
+    return median_call_us(fn, *args, calls=1, rounds=2)
+  return median_call_us(fn, *args)
 
 
 def _torch_us(fn, calls: int = 20, rounds: int = 7) -> float | None:

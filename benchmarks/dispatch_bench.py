@@ -22,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench_meta import git_commit
+from bench_util import git_commit
 from cg_jax import Engine, profile
 
 

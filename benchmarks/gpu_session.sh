@@ -10,7 +10,9 @@
 #   io             host I/O: streamed tokens, pinned transfers, KV swap
 #   graphs-pallas  graph modes with Pallas attention in the decode step
 #   io-overlap, dispatch-loop, mosaic-probe, graphs-b32   short follow-ups (see below)
-#   matmul-rows    decode step with the products padded to 1, 8, 16 rows
+#   matmul-rows    decode projections: kernel bench, and the step with XLA products padded to
+#                  1 or 16 rows against the fused Pallas projections
+#   graphs-all     every graph mode x model x batch with Pallas attention
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
@@ -71,10 +73,16 @@ if has graphs-b32; then
   run graphs-b32 75 python3 benchmarks/graphs_bench.py --attention pallas --models gpt2 \
     --modes full --layer-loops unroll --batches 32 --traces none --loop-batches none
 fi
-if has matmul-rows; then  # zero-padded decode products (Engine(min_matmul_rows=...))
-  run matmul-rows 200 python3 benchmarks/graphs_bench.py --attention pallas \
-    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1 --traces none \
-    --loop-batches none --matmul-rows 1,8,16
+if has graphs-all; then  # every mode, with the idle-queue dispatch column (issue #4's table)
+  run graphs-all 420 python3 benchmarks/graphs_bench.py --attention pallas \
+    --models gpt2,gpt2-large,llama-3.2-1b --modes off,xla-default,full --layer-loops unroll \
+    --batches 1,8 --traces none
+fi
+if has matmul-rows; then  # decode projections: XLA padded to 1/8/16 rows, and fused Pallas
+  run linear 150 python3 benchmarks/linear_bench.py
+  run matmul-rows 240 python3 benchmarks/graphs_bench.py --attention pallas \
+    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8 --traces gpt2 \
+    --loop-batches none --matmul-rows 1,16 --linears xla,pallas
 fi
 if has baselines; then
   echo "=== baselines ($(date +%T)) ==="

@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from bench_meta import git_commit
+from bench_util import git_commit
 from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
 
@@ -51,6 +51,8 @@ def main():
   parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
   parser.add_argument("--matmul-rows", default="1",
                       help="comma list of Engine(min_matmul_rows=...) values to compare")
+  parser.add_argument("--linears", default="xla",
+                      help="comma list of Engine(linear=...) projection backends to compare")
   args = parser.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   os.makedirs(args.out, exist_ok=True)
@@ -65,11 +67,11 @@ def main():
                                   prompt_buckets=(16,), max_seq_len=args.max_seq_len,
                                   attention=args.attention, compilation_cache=False)
     reference_tokens = None
-    for layer_loop, mode, matmul_rows in itertools.product(
+    for layer_loop, mode, matmul_rows, linear in itertools.product(
         args.layer_loops.split(","), args.modes.split(","),
-        [int(r) for r in args.matmul_rows.split(",")]):
+        [int(r) for r in args.matmul_rows.split(",")], args.linears.split(",")):
         engine = base.with_options(graphs=mode, layer_loop=layer_loop, compilation_cache=False,
-                                   min_matmul_rows=matmul_rows)
+                                   min_matmul_rows=matmul_rows, linear=linear)
         start = time.perf_counter()
         engine.warmup(batch_sizes=[1], phases=("prefill", "first", "decode"), progress=False)
         tokens = list(engine.generate(prompt, max_new_tokens=16, eos_token_id=[]))
@@ -81,7 +83,8 @@ def main():
                         progress=False)
           compile_s = time.perf_counter() - start
           row = dict(meta, mode=mode, layer_loop=layer_loop, model=model,
-                     batch=batch, min_matmul_rows=matmul_rows, compile_s=compile_s,
+                     batch=batch, min_matmul_rows=matmul_rows, linear=linear,
+                     compile_s=compile_s,
                      tokens_match_reference=tokens == reference_tokens)
           row.update(profile.time_decode(engine, batch, position=args.position))
           row["step_readback_us"] = profile.time_decode(engine, batch, position=args.position,
@@ -95,7 +98,7 @@ def main():
             row["device_loop_kernel_launches_outside_graphs_per_token"] = (
                 loop_report.kernel_launches_outside_graphs_per_step)
           trace_dir = os.path.join(
-              "/tmp", f"trace_{model}_{layer_loop}_{mode}_rows{matmul_rows}_{batch}")
+              "/tmp", f"trace_{model}_{layer_loop}_{mode}_{linear}_rows{matmul_rows}_{batch}")
           report, trace_path = profile.profile_decode(engine, batch, position=args.position,
                                                       logdir=trace_dir)
           row.update(report.as_dict())
@@ -106,11 +109,12 @@ def main():
           row["floor_us"] = floor_us(engine, batch, args.position)
           if model in args.traces.split(",") and batch == 1:
             shutil.copy(trace_path, os.path.join(
-                args.out, f"trace_{model}_{layer_loop}_{mode}_rows{matmul_rows}.json.gz"))
+                args.out, f"trace_{model}_{layer_loop}_{mode}_{linear}_rows{matmul_rows}.json.gz"))
           rows.append(row)
           with open(rows_path, "w") as f:
             json.dump(rows, f, indent=1)
-          print(f"{model:13s} {layer_loop:6s} {mode:11s} rows>={matmul_rows:<2d} B={batch:<2d} step {row['step_us']:8.1f} us "
+          print(f"{model:13s} {layer_loop:6s} {mode:11s} {linear:6s} rows>={matmul_rows:<2d} "
+                f"B={batch:<2d} step {row['step_us']:8.1f} us "
                 f"readback {row['step_readback_us']:8.1f} loop {row['device_loop_token_us']:8.1f} "
                 f"kern {row['kernels_per_step']:6.1f} graphs {row['graph_launches_per_step']:5.1f} "
                 f"launch {row['kernel_launches_outside_graphs_per_step']:6.1f} "
@@ -120,10 +124,11 @@ def main():
         del engine
     del base
 
-  print("\nmodel          loop   mode        rows B   step_us  readback  loop/tok kern/step graphs/step "
+  print("\nmodel          loop   mode        linear rows B   step_us  readback  loop/tok kern/step graphs/step "
         "outside disp_us idle  floor")
   for r in rows:
-    print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} {r['min_matmul_rows']:<4d} "
+    print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} {r['linear']:6s} "
+          f"{r['min_matmul_rows']:<4d} "
           f"{r['batch']:<3d} "
           f"{r['step_us']:8.1f} {r['step_readback_us']:9.1f} {r['device_loop_token_us']:9.1f} "
           f"{r['kernels_per_step']:9.1f} {r['graph_launches_per_step']:11.1f} "

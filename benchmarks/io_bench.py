@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from bench_meta import git_commit
+from bench_util import git_commit
 from cg_jax import Engine, host_io, profile
 
 

@@ -63,7 +63,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, StaticCache
 
-from bench_meta import git_commit
+from bench_util import git_commit
 
 SYSTEMS = ("torch_eager", "torch_cuda_graph", "torch_compile", "hf_dynamic", "hf_static")
 DECODE_SYSTEMS = ("torch_eager", "torch_cuda_graph", "torch_compile")

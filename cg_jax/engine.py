@@ -28,7 +28,8 @@ from cg_jax.steps import LoopState, SplitModel, StepFunctions
 from models import hf
 from models.attention import check_backend, default_backend as default_attention
 from models.config import PRESETS, DecoderConfig
-from models.decoder import LAYER_LOOPS, Decoder, KVCache, cache_bytes, init_cache
+from models.decoder import (LAYER_LOOPS, Decoder, KVCache, cache_bytes, check_linear_backend,
+                            init_cache)
 
 
 PHASES = ("prefill", "first", "decode", "loop")
@@ -46,6 +47,7 @@ class EngineConfig:
   decode_loop_steps: K, tokens per host call in the device loop.
   readback_lag: steps launched ahead of the one whose tokens the host reads (0: synchronous).
   min_matmul_rows: decode steps pad the layers' products to at least this many rows.
+  linear: decode steps' projections, "xla" or "pallas" (fused norm/matmul/epilogue kernels).
   compiler_options: XLA options applied to every executable (the graph mode's, plus extras).
   """
 
@@ -57,6 +59,7 @@ class EngineConfig:
   decode_loop_steps: int = 16
   readback_lag: int = 2
   min_matmul_rows: int = 1
+  linear: str = "xla"
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
@@ -139,6 +142,9 @@ class Engine:
       this many, so XLA emits GEMMs instead of its single-row multiply-and-reduce rewrite
       (1 = no padding). Results are unchanged; it is a speed setting, measured in
       benchmarks/graphs_bench.py.
+    linear: "xla" (default) or "pallas": in decode steps each projection with its norm, bias,
+      activation and residual runs as one fused Pallas kernel (`cg_jax.kernels.fused_linear`;
+      interpreted off the GPU). Needs 16-aligned widths.
     compiler_options: extra XLA options for every executable, on top of the graph mode's.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off.
@@ -152,7 +158,7 @@ class Engine:
                prompt_buckets: Sequence[int] | None = None, attention: str | None = None,
                layer_loop: str | None = None, graphs: str = "xla-default",
                decode_loop_steps: int = 16, readback_lag: int = 2, min_matmul_rows: int = 1,
-               compiler_options: Mapping[str, Any] | None = None,
+               linear: str = "xla", compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):
     self.model_config = config
@@ -184,10 +190,11 @@ class Engine:
     if (not isinstance(min_matmul_rows, int) or isinstance(min_matmul_rows, bool)
         or not 1 <= min_matmul_rows <= 64):
       raise ValueError(f"min_matmul_rows must be an int in [1, 64], got {min_matmul_rows!r}")
+    check_linear_backend(config, linear)
     self.config = EngineConfig(
         max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
         graphs=graphs, decode_loop_steps=decode_loop_steps, readback_lag=readback_lag,
-        min_matmul_rows=min_matmul_rows, compiler_options=tuple(sorted(options.items())))
+        min_matmul_rows=min_matmul_rows, linear=linear, compiler_options=tuple(sorted(options.items())))
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
 
@@ -208,7 +215,7 @@ class Engine:
     nnx.replace_by_pure_dict(state, device_weights)
     self._split = SplitModel.from_state(graphdef, state)
     self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps,
-                                min_matmul_rows)
+                                min_matmul_rows, linear)
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
     self._cache: KVCache | None = None
@@ -255,7 +262,7 @@ class Engine:
                    attention=self.config.attention, layer_loop=self.config.layer_loop,
                    graphs=self.config.graphs, decode_loop_steps=self.config.decode_loop_steps,
                    readback_lag=self.config.readback_lag,
-                   min_matmul_rows=self.config.min_matmul_rows,
+                   min_matmul_rows=self.config.min_matmul_rows, linear=self.config.linear,
                    compiler_options=self._extra_compiler_options)
     options.update(engine_options)
     engine = Engine(self.model_config, self.weights(), **options)
@@ -389,6 +396,7 @@ class Engine:
         "graphs": self.config.graphs,
         "readback_lag": self.config.readback_lag,
         "min_matmul_rows": self.config.min_matmul_rows,
+        "linear": self.config.linear,
         "compiler_options": dict(self.config.compiler_options),
         "max_seq_len": self.config.max_seq_len,
         "batch_buckets": self.config.buckets.batch_sizes,

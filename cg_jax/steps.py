@@ -76,6 +76,7 @@ class StepFunctions:
       once per request and always scans (small program, fast compile).
     loop_steps: K, tokens generated per device-loop call.
     min_matmul_rows: decode steps run the layers' products on at least this many rows.
+    linear: decode steps' projections, "xla" or "pallas" (fused kernels).
   """
 
   split: SplitModel
@@ -83,11 +84,12 @@ class StepFunctions:
   layer_loop: str
   loop_steps: int
   min_matmul_rows: int = 1
+  linear: str = "xla"
 
   @property
   def _model_options(self):
     return {"attention": self.attention, "layer_loop": self.layer_loop,
-            "min_matmul_rows": self.min_matmul_rows}
+            "min_matmul_rows": self.min_matmul_rows, "linear": self.linear}
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)

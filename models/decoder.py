@@ -17,6 +17,7 @@ K kv heads, H head_dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -133,6 +134,43 @@ def _norm(x, scale, bias, eps: float):
   return scale * normed.astype(x.dtype)
 
 
+def xla_projection(x, w, *, norm=None, norm_scale=None, norm_bias=None, eps=1e-5, bias=None,
+                    activation=None, gated=False, residual=None, min_rows: int = 1):
+  """residual + act(norm(x) @ w + bias) (act(gate) * up when gated), x [R, I], as XLA ops."""
+  if norm is not None:
+    x = _norm(x, norm_scale, norm_bias if norm == "layer" else None, eps)
+  y = _matmul(x, w, min_rows)
+  if bias is not None:
+    y = y + bias
+  if gated:
+    gate, up = jnp.split(y, 2, axis=-1)
+    y = _ACTIVATIONS[activation](gate) * up
+  elif activation is not None:
+    y = _ACTIVATIONS[activation](y)
+  return y if residual is None else residual + y
+
+
+def _fused_projection(x, w, **options):
+  """The same as one `cg_jax.kernels.fused_linear` kernel (interpreted off the GPU)."""
+  from cg_jax.kernels.fused_linear import fused_linear
+
+  return fused_linear(x, w, interpret=jax.default_backend() != "gpu", **options)
+
+
+LINEAR_BACKENDS = ("xla", "pallas")
+
+
+def check_linear_backend(config: DecoderConfig, linear: str) -> None:
+  """ValueError for an unknown projection backend, or "pallas" on widths it cannot take."""
+  if linear not in LINEAR_BACKENDS:
+    raise ValueError(f"linear must be one of {LINEAR_BACKENDS}, got {linear!r}")
+  if linear == "pallas":
+    widths = {"hidden_size": config.hidden_size, "qkv width": config.qkv_width,
+              "num_heads * head_dim": config.num_heads * config.head_dim,
+              "intermediate_size": config.intermediate_size}
+    odd = {name: value for name, value in widths.items() if value % 16}
+    if odd:
+      raise ValueError(f"linear='pallas' needs multiples of 16; got {odd}")
 LAYER_LOOPS = ("scan", "unroll")
 
 
@@ -232,41 +270,42 @@ class Decoder(nnx.Module):
     precision = jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None
     return jnp.matmul(x, head, precision=precision, preferred_element_type=jnp.float32)
 
-  def _block(self, x, w, positions, attend, min_rows: int = 1):
-    """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H]; products
-    with fewer than `min_rows` rows are padded (see `_matmul`)."""
+  def _block(self, x, w, positions, attend, min_rows: int = 1, linear: str = "xla"):
+    """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H].
+
+    The four projections (norm + QKV, output + residual, norm + MLP in + activation, MLP out +
+    residual) run as plain XLA ops (`linear="xla"`, products with fewer than `min_rows` rows
+    zero-padded, see `_matmul`) or each as one fused Pallas kernel (`linear="pallas"`, for the
+    few rows of a decode step; `cg_jax.kernels.fused_linear`).
+    """
     c = self.config
-    batch, seq, _ = x.shape
-    h = _norm(x, w["attn_norm_scale"], w.get("attn_norm_bias"), c.norm_eps)
-    # [B, S, (Nq + 2K) * H]
-    qkv = _matmul(h, w["qkv_kernel"], min_rows)
-    if "qkv_bias" in w:
-      qkv = qkv + w["qkv_bias"]
+    batch, seq, hidden = x.shape
+    rows = batch * seq
+    if linear == "pallas":
+      project = _fused_projection
+    else:
+      project = functools.partial(xla_projection, min_rows=min_rows)
+    norm = "layer" if c.uses_layernorm else "rms"
+    # [B*S, D]
+    flat = x.reshape(rows, hidden)
+    # [B*S, (Nq + 2K) * H]
+    qkv = project(flat, w["qkv_kernel"], norm=norm, norm_scale=w["attn_norm_scale"],
+                  norm_bias=w.get("attn_norm_bias"), eps=c.norm_eps, bias=w.get("qkv_bias"))
     q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q = qkv[..., :q_width].reshape(batch, seq, c.num_heads, c.head_dim)
-    k = qkv[..., q_width:q_width + kv_width].reshape(batch, seq, c.num_kv_heads, c.head_dim)
-    v = qkv[..., q_width + kv_width:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    q = qkv[:, :q_width].reshape(batch, seq, c.num_heads, c.head_dim)
+    k = qkv[:, q_width:q_width + kv_width].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    v = qkv[:, q_width + kv_width:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
     if c.uses_rope:
       inv_freq = jnp.asarray(rope_inverse_frequencies(c))
       q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
-    attn = attend(q, k, v).reshape(batch, seq, q_width)
-    x = x + _matmul(attn, w["out_kernel"], min_rows)
-    if "out_bias" in w:
-      x = x + w["out_bias"]
-    h = _norm(x, w["mlp_norm_scale"], w.get("mlp_norm_bias"), c.norm_eps)
-    # [B, S, F] or [B, S, 2F] = [gate | up]
-    u = _matmul(h, w["mlp_in_kernel"], min_rows)
-    if "mlp_in_bias" in w:
-      u = u + w["mlp_in_bias"]
-    if c.gated_mlp:
-      gate, up = jnp.split(u, 2, axis=-1)
-      a = _ACTIVATIONS[c.activation](gate) * up
-    else:
-      a = _ACTIVATIONS[c.activation](u)
-    x = x + _matmul(a, w["mlp_out_kernel"], min_rows)
-    if "mlp_out_bias" in w:
-      x = x + w["mlp_out_bias"]
-    return x
+    attn = attend(q, k, v).reshape(rows, q_width)
+    flat = project(attn, w["out_kernel"], bias=w.get("out_bias"), residual=flat)
+    # [B*S, F]: act(h W + b), or act(gate) * up for the gated (SwiGLU) MLP
+    mlp = project(flat, w["mlp_in_kernel"], norm=norm, norm_scale=w["mlp_norm_scale"],
+                  norm_bias=w.get("mlp_norm_bias"), eps=c.norm_eps, bias=w.get("mlp_in_bias"),
+                  activation=c.activation, gated=c.gated_mlp)
+    flat = project(mlp, w["mlp_out_kernel"], bias=w.get("mlp_out_bias"), residual=flat)
+    return flat.reshape(batch, seq, hidden)
 
   @property
   def _sm_scale(self) -> float:
@@ -335,7 +374,7 @@ class Decoder(nnx.Module):
     return self._lm_head(x_last), KVCache(k=k_all, v=v_all)
 
   def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
-             layer_loop: str = "scan", min_matmul_rows: int = 1):
+             layer_loop: str = "scan", min_matmul_rows: int = 1, linear: str = "xla"):
     """One decode step: each row's token is written at its own position and attends to the
     cache up to and including it.
 
@@ -343,7 +382,8 @@ class Decoder(nnx.Module):
       tokens: int32 [B]; positions: int32 [B], each < T; cache: `KVCache` [L, B', T, K, H] with
         B' >= B; rows [0, B) are used and written.
       min_matmul_rows: the layers' products run on at least this many rows (zero-padded;
-        see `_matmul`).
+        see `_matmul`; XLA projections only).
+      linear: "xla" or "pallas" projections (see `_block`).
     Returns:
       (float32 [B, V] next-token logits, updated cache).
     """
@@ -363,7 +403,7 @@ class Decoder(nnx.Module):
                                backend=attention, layer=layer)
         return out[:, None]
 
-      x = self._block(x, w, positions[:, None], attend, min_matmul_rows)
+      x = self._block(x, w, positions[:, None], attend, min_matmul_rows, linear)
       return x, cache_out["k"], cache_out["v"]
 
     carry = (self._embed(tokens[:, None], positions[:, None]), cache.k, cache.v)

@@ -32,9 +32,11 @@ def _model(name, seed=0):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("min_rows", [1, 8], ids=["rows1", "padded-rows8"])
-def test_decode_with_cache_matches_full_forward(name, min_rows):
-  """Also with the decode products zero-padded to 8 rows (3 real rows): padding changes nothing."""
+@pytest.mark.parametrize("min_rows, linear", [(1, "xla"), (8, "xla"), (1, "pallas")],
+                         ids=["rows1", "padded-rows8", "fused-pallas"])
+def test_decode_with_cache_matches_full_forward(name, min_rows, linear):
+  """Also with the decode products zero-padded to 8 rows (3 real rows), and with the fused
+  Pallas projections (interpreted on CPU): neither changes the result."""
   model = _model(name)
   rng = np.random.default_rng(0)
   vocab = model.config.vocab_size
@@ -44,7 +46,7 @@ def test_decode_with_cache_matches_full_forward(name, min_rows):
   # The cache has more rows than the batch: rows past the batch must be ignored.
   cache = init_cache(model.config, batch + 1, cache_len, jnp.float32)
   prefill = jax.jit(lambda t, n, c: model.prefill(t, n, c))
-  decode = jax.jit(lambda t, p, c: model.decode(t, p, c, min_matmul_rows=min_rows))
+  decode = jax.jit(lambda t, p, c: model.decode(t, p, c, min_matmul_rows=min_rows, linear=linear))
   logits, cache = prefill(tokens, prompt_lengths, cache)
   sequences = [list(tokens[b, :prompt_lengths[b]]) for b in range(batch)]
   step_logits = [[np.asarray(logits[b])] for b in range(batch)]

@@ -1,5 +1,6 @@
 """Engine: buckets, ahead-of-time warmup, sampling, streaming, device loop, validation."""
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -257,6 +258,7 @@ def test_kv_cache_too_large_fails_at_construction():
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(min_matmul_rows=0), r"min_matmul_rows must be an int in \[1, 64\], got 0"),
     (dict(min_matmul_rows=2.0), "min_matmul_rows must be an int"),
+    (dict(linear="cublas"), "linear must be one of"),
 ])
 def test_bad_engine_options(options, match):
   with pytest.raises(ValueError, match=match):
@@ -272,3 +274,21 @@ def test_padded_matmul_rows_give_the_same_tokens(engine):
   assert padded.stats()["min_matmul_rows"] == 16
   assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
   assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[], device_loop=True) == expected
+
+
+def test_fused_pallas_projections_give_the_same_tokens(engine):
+  """linear="pallas" (fused norm/matmul/epilogue kernels, interpreted on CPU) in the host loop
+  and the device loop gives the XLA projections' greedy tokens."""
+  prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+  expected = engine.generate(prompts, max_new_tokens=8, eos_token_id=[])
+  fused = engine.with_options(linear="pallas")
+  assert fused.stats()["linear"] == "pallas"
+  assert fused.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
+  assert fused.generate(prompts, max_new_tokens=8, eos_token_id=[], device_loop=True) == expected
+
+
+def test_fused_pallas_projections_need_aligned_widths():
+  config = dataclasses.replace(preset("tiny-llama"), intermediate_size=150)
+  with pytest.raises(ValueError, match=r"linear='pallas' needs multiples of 16; got "
+                                       r"\{'intermediate_size': 150\}"):
+    Engine(config, linear="pallas")

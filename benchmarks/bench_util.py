@@ -1,0 +1,39 @@
+"""Shared pieces of the benchmark scripts beside it: row metadata and call timing."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit() -> str:
+  """$CG_JAX_COMMIT (set by the device scripts: a copied checkout's HEAD can be stale), else the
+  short hash of HEAD, else 'unknown'."""
+  if os.environ.get("CG_JAX_COMMIT"):
+    return os.environ["CG_JAX_COMMIT"]
+  try:
+    return subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def median_call_us(fn, *args, calls: int = 20, rounds: int = 7) -> float:
+  """Per-call time (us) of `calls` back-to-back calls of a JAX function (the queue stays full,
+  so host dispatch hides behind the kernels as in a decode step), median over rounds; the
+  first call (compile, warm-up) is excluded."""
+  import jax
+
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / calls)
+  return statistics.median(times) * 1e6

@@ -1,0 +1,280 @@
+"""Fused decode-time linear layer: [norm ->] matmul [-> bias -> activation / gated unit]
+[-> + residual] in one kernel, for the few rows of a decode step.
+
+A decode step multiplies a handful of rows (the batch) by every weight matrix. XLA turns a
+single-row product into a multiply-and-reduce pair of fusions and keeps the norms, biases,
+activations and residual adds in kernels of their own. Here one program per block of
+`block_n` output columns streams its [K, block_n] slab of the weight in `block_k` steps:
+  1. (norm) a first pass over the row computes the RMS (or mean and variance for LayerNorm);
+     the tiny input stays in L2, so the second read is cheap;
+  2. each step normalises its [rows, block_k] slice of the input on the fly and accumulates
+     the product in float32 (gated units keep two accumulators, gate and up columns);
+  3. the epilogue adds the bias, applies the activation (or act(gate) * up) and the residual,
+     and writes [rows, block_n].
+Rows are padded to a power of two >= 16 (Triton dots need 16); padded rows are zeros and never
+reach the output. The norm follows `models.decoder._norm` (float32 statistics; LayerNorm's
+affine in float32, RMSNorm's scale applied after the cast back, as Llama does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+NORMS = (None, "rms", "layer")
+ACTIVATIONS = (None, "gelu_tanh", "gelu", "silu")
+_MIN_DOT_DIM = 16
+
+
+def _is_power_of_two(value: int) -> bool:
+  return isinstance(value, int) and value > 0 and value & (value - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLinearConfig:
+  """Launch settings: output columns per program, reduction step, Triton warps and stages."""
+
+  block_n: int = 64
+  block_k: int = 128
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_n", "block_k"):
+      value = getattr(self, name)
+      if not _is_power_of_two(value) or value < _MIN_DOT_DIM:
+        raise ValueError(f"FusedLinearConfig.{name} must be a power of two >= {_MIN_DOT_DIM}, "
+                         f"got {value!r}")
+    for name in ("num_warps", "num_stages"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"FusedLinearConfig.{name} must be a positive int, got {value!r}")
+
+
+def _activate(x, activation: str | None):
+  if activation is None:
+    return x
+  if activation == "gelu_tanh":
+    return jax.nn.gelu(x, approximate=True)
+  if activation == "gelu":
+    return jax.nn.gelu(x, approximate=False)
+  return jax.nn.silu(x)
+
+
+def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden, block_k,
+            out_dtype):
+  """refs: x [R, K], w [K, bn] (and w_up [K, bn] when gated), then the optional norm scale
+  [K] / norm bias [K], bias [bn] (and bias_up), residual [R, bn]; output [R, bn]."""
+  refs = list(refs)
+  x_ref, w_ref = refs.pop(0), refs.pop(0)
+  w_up_ref = refs.pop(0) if gated else None
+  scale_ref = refs.pop(0) if norm else None
+  shift_ref = refs.pop(0) if norm == "layer" else None
+  bias_ref = refs.pop(0) if has_bias else None
+  bias_up_ref = refs.pop(0) if has_bias and gated else None
+  residual_ref = refs.pop(0) if has_residual else None
+  (o_ref,) = refs
+  rows = x_ref.shape[0]
+  steps = hidden // block_k
+  dtype = x_ref.dtype
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+  mean = jnp.zeros((rows, 1), jnp.float32)
+  rstd = jnp.ones((rows, 1), jnp.float32)
+  if norm:
+    def moments(step, carry):
+      total, squares = carry
+      # [R, block_k]
+      chunk = x_ref[:, pl.ds(step * block_k, block_k)].astype(jnp.float32)
+      return total + jnp.sum(chunk, axis=1), squares + jnp.sum(chunk * chunk, axis=1)
+
+    zeros = jnp.zeros((rows,), jnp.float32)
+    total, squares = jax.lax.fori_loop(0, steps, moments, (zeros, zeros))
+    if norm == "layer":
+      mean = (total / hidden)[:, None]
+      variance = squares[:, None] / hidden - mean * mean
+    else:
+      variance = squares[:, None] / hidden
+    rstd = jax.lax.rsqrt(variance + eps)
+
+  def body(step, accumulators):
+    columns = pl.ds(step * block_k, block_k)
+    # [R, block_k]
+    x = x_ref[:, columns]
+    if norm == "layer":
+      normed = (x.astype(jnp.float32) - mean) * rstd
+      x = (normed * scale_ref[columns].astype(jnp.float32)[None, :]
+           + shift_ref[columns].astype(jnp.float32)[None, :]).astype(dtype)
+    elif norm == "rms":
+      x = scale_ref[columns][None, :] * (x.astype(jnp.float32) * rstd).astype(dtype)
+    # [R, bn] each
+    out = [acc + jnp.dot(x, w[columns, :], precision=precision,
+                         preferred_element_type=jnp.float32)
+           for acc, w in zip(accumulators, (w_ref, w_up_ref) if gated else (w_ref,))]
+    return tuple(out)
+
+  block_n = o_ref.shape[1]
+  init = tuple(jnp.zeros((rows, block_n), jnp.float32) for _ in range(2 if gated else 1))
+  accumulators = jax.lax.fori_loop(0, steps, body, init)
+  # The epilogue step by step as the unfused layer computes it: each op in float32 (Triton has
+  # no bfloat16 division), its result rounded to the input dtype.
+  def op(fn, *values):
+    return fn(*(v.astype(jnp.float32) for v in values)).astype(dtype)
+
+  y = accumulators[0].astype(dtype)
+  if has_bias:
+    y = op(jnp.add, y, bias_ref[...][None, :])
+  y = op(functools.partial(_activate, activation=activation), y) if activation else y
+  if gated:
+    up = accumulators[1].astype(dtype)
+    if has_bias:
+      up = op(jnp.add, up, bias_up_ref[...][None, :])
+    y = op(jnp.multiply, y, up)
+  if has_residual:
+    y = op(jnp.add, residual_ref[...], y)
+  o_ref[...] = y.astype(out_dtype)
+
+
+def _check(x, w, norm, norm_scale, norm_bias, bias, activation, gated, residual):
+  if x.ndim != 2 or w.ndim != 2:
+    raise ValueError(f"x must be [rows, K] and w [K, N]; got {x.shape} and {w.shape}")
+  if x.shape[1] != w.shape[0]:
+    raise ValueError(f"x has {x.shape[1]} columns but w has {w.shape[0]} rows")
+  if x.dtype != w.dtype:
+    raise TypeError(f"x and w dtypes differ: {x.dtype} vs {w.dtype}")
+  if norm not in NORMS:
+    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+  if (norm is None) != (norm_scale is None) or (norm == "layer") != (norm_bias is not None):
+    raise ValueError(f"norm={norm!r} needs norm_scale (and norm_bias for 'layer' only)")
+  if norm_scale is not None and norm_scale.shape != (x.shape[1],):
+    raise ValueError(f"norm_scale must have shape ({x.shape[1]},), got {norm_scale.shape}")
+  if norm_bias is not None and norm_bias.shape != (x.shape[1],):
+    raise ValueError(f"norm_bias must have shape ({x.shape[1]},), got {norm_bias.shape}")
+  if gated and (w.shape[1] % 2 or activation is None):
+    raise ValueError(f"gated needs an even number of w columns ([gate | up]) and an activation; "
+                     f"got {w.shape[1]} columns, activation={activation!r}")
+  width = w.shape[1] // 2 if gated else w.shape[1]
+  if bias is not None and bias.shape != (w.shape[1],):
+    raise ValueError(f"bias must have shape ({w.shape[1]},), got {bias.shape}")
+  if residual is not None and residual.shape != (x.shape[0], width):
+    raise ValueError(f"residual must have shape ({x.shape[0]}, {width}), got {residual.shape}")
+  return width
+
+
+def _largest_dividing_block(size: int, limit: int) -> int | None:
+  """The largest power of two <= limit dividing size, at least 16; None if there is none."""
+  block = limit
+  while block >= _MIN_DOT_DIM:
+    if size % block == 0:
+      return block
+    block //= 2
+  return None
+
+
+def supported(hidden: int, width: int) -> bool:
+  """Whether `fused_linear` takes a [*, hidden] x [hidden, width] product (16-aligned sizes)."""
+  return hidden % _MIN_DOT_DIM == 0 and width % _MIN_DOT_DIM == 0
+
+
+@functools.partial(jax.jit, static_argnames=("norm", "eps", "activation", "gated", "config",
+                                             "interpret"))
+def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=None,
+                 eps: float = 1e-5, bias=None, activation: str | None = None, gated: bool = False,
+                 residual=None, config: FusedLinearConfig = FusedLinearConfig(),
+                 interpret: bool = False):
+  """y = residual + act(norm(x) @ w + bias), or with `gated`: act(gate) * up for w = [gate | up].
+
+  Args:
+    x: [R, K] (R: the decode rows, any count); w: [K, N] in x's dtype. K and N (or N/2 when
+      gated) must be multiples of 16.
+    norm: None, "rms" (norm_scale) or "layer" (norm_scale, norm_bias), over x's K columns.
+    bias: [N]; activation: None, "gelu_tanh", "gelu" or "silu"; gated: split w's columns into
+      gate and up halves (needs an activation); residual: [R, N or N/2] added last.
+    config: launch settings; interpret: run in the Pallas interpreter (CPU tests).
+  Returns:
+    [R, N] (or [R, N/2] when gated) in x's dtype.
+  """
+  width = _check(x, w, norm, norm_scale, norm_bias, bias, activation, gated, residual)
+  rows, hidden = x.shape
+  block_k = _largest_dividing_block(hidden, config.block_k)
+  block_n = _largest_dividing_block(width, config.block_n)
+  if block_k is None or block_n is None:
+    raise ValueError(f"fused_linear needs K ({hidden}) and output width ({width}) to be "
+                     f"multiples of {_MIN_DOT_DIM}")
+  padded_rows = max(_MIN_DOT_DIM, pl.next_power_of_2(rows))
+  pad_rows = ((0, padded_rows - rows), (0, 0))
+  blocks = width // block_n
+
+  operands = [jnp.pad(x, pad_rows), w]
+  specs = [pl.BlockSpec((padded_rows, hidden), lambda n: (0, 0)),
+           pl.BlockSpec((hidden, block_n), lambda n: (0, n))]
+  if gated:
+    operands.append(w)
+    specs.append(pl.BlockSpec((hidden, block_n), lambda n: (0, n + blocks)))
+  for vector in (norm_scale, norm_bias):
+    if vector is not None:
+      operands.append(vector)
+      specs.append(pl.BlockSpec((hidden,), lambda n: (0,)))
+  if bias is not None:
+    operands.append(bias)
+    specs.append(pl.BlockSpec((block_n,), lambda n: (n,)))
+    if gated:
+      operands.append(bias)
+      specs.append(pl.BlockSpec((block_n,), lambda n: (n + blocks,)))
+  if residual is not None:
+    operands.append(jnp.pad(residual, pad_rows))
+    specs.append(pl.BlockSpec((padded_rows, block_n), lambda n: (0, n)))
+
+  kernel = functools.partial(
+      _kernel, norm=norm, eps=eps, activation=activation, gated=gated,
+      has_bias=bias is not None, has_residual=residual is not None, hidden=hidden,
+      block_k=block_k, out_dtype=x.dtype)
+  out = pl.pallas_call(
+      kernel,
+      grid=(blocks,),
+      in_specs=specs,
+      out_specs=pl.BlockSpec((padded_rows, block_n), lambda n: (0, n)),
+      out_shape=jax.ShapeDtypeStruct((padded_rows, width), x.dtype),
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="fused_linear",
+  )(*operands)
+  return out[:rows]
+
+
+def fused_linear_reference(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=None,
+                           eps: float = 1e-5, bias=None, activation: str | None = None,
+                           gated: bool = False, residual=None):
+  """The same function in plain jnp, step by step as `models.decoder` computes it."""
+  _check(x, w, norm, norm_scale, norm_bias, bias, activation, gated, residual)
+  dtype = x.dtype
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  if norm:
+    x32 = x.astype(jnp.float32)
+    if norm == "layer":
+      x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    if norm == "layer":
+      x = (normed * norm_scale.astype(jnp.float32) + norm_bias.astype(jnp.float32)).astype(dtype)
+    else:
+      x = norm_scale * normed.astype(dtype)
+  y = jnp.matmul(x, w, precision=precision)
+  if bias is not None:
+    y = y + bias
+  if gated:
+    gate, up = jnp.split(y, 2, axis=-1)
+    y = _activate(gate, activation) * up
+  else:
+    y = _activate(y, activation)
+  if residual is not None:
+    y = residual + y
+  return y.astype(dtype)
+
