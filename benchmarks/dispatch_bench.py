@@ -26,17 +26,13 @@ from bench_util import git_commit
 from cg_jax import Engine, profile
 
 
-def trivial_dispatch_us(engine: Engine, batch: int, repeats: int = 32) -> float:
-  """Host time of calling an executable that takes the decode step's arguments and does ~nothing."""
-  weights = engine.weights()
-
-  def touch(weights, cache, tokens, positions):
-    return cache, tokens + 1, positions + 1
-
-  step = jax.jit(touch, donate_argnums=(1, 2, 3))
+def _idle_queue_call_us(engine: Engine, step, weights, batch: int, position: int,
+                        repeats: int = 32) -> float:
+  """Median host time of `step(weights, cache, tokens, positions)` -> (cache, tokens,
+  positions), all three donated, each call issued into an idle queue."""
   engine.warmup(phases=(), progress=False)  # allocates the KV cache
   cache = engine._cache
-  tokens, positions = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+  tokens, positions = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), position, jnp.int32)
   cache, tokens, positions = step(weights, cache, tokens, positions)
   times = []
   for _ in range(repeats):
@@ -46,6 +42,35 @@ def trivial_dispatch_us(engine: Engine, batch: int, repeats: int = 32) -> float:
     times.append(time.perf_counter() - start)
   engine._cache = cache
   return statistics.median(times) * 1e6
+
+
+def trivial_dispatch_us(engine: Engine, batch: int, position: int) -> float:
+  """Host time of calling an executable that takes the decode step's arguments and does ~nothing."""
+
+  def touch(weights, cache, tokens, positions):
+    return cache, tokens + 1, positions + 1
+
+  step = jax.jit(touch, donate_argnums=(1, 2, 3))
+  return _idle_queue_call_us(engine, step, engine.weights(), batch, position)
+
+
+def no_emitted_dispatch_us(engine: Engine, batch: int, position: int) -> float:
+  """Host time of one decode step into an idle queue when the step returns only its donated
+  state (no separate `emitted` token output), to see whether that fresh output is one of the
+  allocations XLA re-records the graph for on every call."""
+  steps = engine._steps
+
+  def decode_state_only(weights, cache, tokens, positions):
+    _, tokens, positions, cache = steps.decode(weights, cache, tokens, positions, None)
+    return cache, tokens, positions
+
+  weights = engine._split.weights
+  engine.warmup(phases=(), progress=False)
+  specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                       (weights, engine._cache, jnp.zeros((batch,), jnp.int32)))
+  step = jax.jit(decode_state_only, donate_argnums=(1, 2, 3)).lower(
+      *specs, specs[-1]).compile(compiler_options=dict(engine.config.compiler_options))
+  return _idle_queue_call_us(engine, step, weights, batch, position)
 
 
 def main():
@@ -76,7 +101,11 @@ def main():
       engine.warmup(phases=("decode", "loop") if mode == "full" else ("decode",), progress=False)
       row["compile_s"] = time.perf_counter() - start
       row.update(profile.time_decode(engine, args.batch, position=args.max_seq_len // 2))
-      row["trivial_dispatch_us"] = trivial_dispatch_us(engine, args.batch)
+      row["trivial_dispatch_us"] = trivial_dispatch_us(engine, args.batch,
+                                                       args.max_seq_len // 2)
+      if mode != "off":
+        row["no_emitted_dispatch_us"] = no_emitted_dispatch_us(engine, args.batch,
+                                                               args.max_seq_len // 2)
       if mode == "full":  # one call per K tokens
         row["loop_call_dispatch_us"] = profile.device_loop_dispatch_us(
             engine, args.batch, position=args.max_seq_len // 2)
@@ -90,13 +119,14 @@ def main():
   with open(os.path.join(args.out, "dispatch_rows.json"), "w") as f:
     json.dump(rows, f, indent=1)
   print(f"\n{'variant':28s} {'step_us':>9s} {'dispatch_us':>12s} {'trivial_us':>11s} "
-        f"{'loop/token':>10s}")
+        f"{'no_emitted':>10s} {'loop/token':>10s}")
   for r in rows:
     if "error" in r:
       print(f"{r['variant']:28s} error: {r['error'][:80]}")
     else:
       print(f"{r['variant']:28s} {r['step_us']:9.1f} {r['host_dispatch_wall_us']:12.1f} "
-            f"{r['trivial_dispatch_us']:11.1f} {r.get('loop_dispatch_per_token_us', float('nan')):10.1f}")
+            f"{r['trivial_dispatch_us']:11.1f} {r.get('no_emitted_dispatch_us', float('nan')):10.1f} "
+            f"{r.get('loop_dispatch_per_token_us', float('nan')):10.1f}")
 
 
 if __name__ == "__main__":

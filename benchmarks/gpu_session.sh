@@ -30,18 +30,16 @@ if has train; then
   run train 150 python3 scripts/train_default_model.py --work .train/kjv
 fi
 if has dispatch; then
-  run dispatch 150 python3 benchmarks/dispatch_bench.py --variants \
-    '{"serialize": {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
-      "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
-      "temp-separate-color": {"xla_gpu_temp_buffer_use_separate_color": true}}'
-  XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
-    run dispatch-skip-temp 70 python3 benchmarks/dispatch_bench.py --modes full
+  # Variants already measured (benchmarks/results/dispatch_h200.md) can be re-run with
+  # --variants '{"name": {xla option: value}}'.
+  run dispatch 150 python3 benchmarks/dispatch_bench.py --modes off,full
   echo "=== dispatch-vlog (command-buffer update log of the full-mode steps) ==="
   TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 \
     timeout 70 python3 benchmarks/dispatch_bench.py --modes full --out "$out/dispatch-vlog" \
     > "$out/dispatch-vlog.log" 2>&1
-  grep -c -i -E "Updated [0-9]+ commands" "$out/dispatch-vlog.log"
-  grep -i -E "Updated [0-9]+ commands|updated_allocs" "$out/dispatch-vlog.log" | tail -6
+  # Executions per number of changed allocations (the decode step, then the no-emitted step).
+  grep -o -E "num_commands=[0-9]+; updated_allocs=[0-9]+" "$out/dispatch-vlog.log" | sort | uniq -c
+  grep -i -E "Updated [0-9]+ commands" "$out/dispatch-vlog.log" | tail -4
   gzip "$out/dispatch-vlog.log"
 fi
 if has dispatch-temp-color; then

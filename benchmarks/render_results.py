@@ -103,17 +103,19 @@ def dispatch(rows: list[dict]) -> list[str]:
   out += ["gpt2 shape, batch 1, bfloat16, unrolled layers. dispatch = host time of one step "
           "call into an idle GPU queue (median of 16); trivial = the same for an executable with "
           "the step's arguments and no real work; step = pipelined step time; loop = host time "
-          "of one device-loop call (K=16 tokens) into an idle queue, per token.", "",
-          "| variant | XLA options / flags | step us | dispatch us | trivial us | loop us/token |",
-          "|---|---|---|---|---|---|"]
+          "of one device-loop call (K=16 tokens) into an idle queue, per token; no emitted = "
+          "dispatch of the same step returning only its donated state.", "",
+          "| variant | XLA options / flags | step us | dispatch us | trivial us | no emitted us "
+          "| loop us/token |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     options = ", ".join(f"{k}={v}" for k, v in r.get("extra_options", {}).items())
     options = "; ".join(x for x in (options, r.get("xla_flags", "")) if x) or "-"
     if "error" in r:
-      out.append(f"| {r['variant']} | {options} | error: {r['error'][:120]} | | | |")
+      out.append(f"| {r['variant']} | {options} | error: {r['error'][:120]} | | | | |")
     else:
       out.append(f"| {r['variant']} | {options} | {_fmt(r['step_us'])} | "
                  f"{_fmt(r['host_dispatch_wall_us'])} | {_fmt(r['trivial_dispatch_us'])} | "
+                 f"{_fmt(r.get('no_emitted_dispatch_us'))} | "
                  f"{_fmt(r.get('loop_dispatch_per_token_us'))} |")
   logs = [f"- {r['variant']}: {r['command_buffer_log']}" for r in rows if r.get("command_buffer_log")]
   if logs:

@@ -313,7 +313,8 @@ class Engine:
       logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
       return jax.jit(steps.first_token).lower(logits, i32(batch), sampling)
     # The decode state (cache, tokens, positions) is donated, so each output reuses its input's
-    # buffer: addresses stay fixed from step to step and a CUDA graph replays without update.
+    # buffer and keeps its address from step to step. (XLA still re-records the graph commands
+    # that touch the fresh `emitted` output and temporaries: benchmarks/results/dispatch_h200.md.)
     if phase == "decode":
       return jax.jit(steps.decode, donate_argnums=(1, 2, 3)).lower(weights, cache, i32(batch),
                                                                    i32(batch), sampling)
