@@ -121,14 +121,28 @@ def test_padded_rows_do_not_change_real_rows():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_for_h200(dtype):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lowers_for_h200(dtype, family):
+  """Each projection of a Llama-3.2-1B / GPT-2 layer lowers to Triton for an abstract H200."""
   spec = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  if family == "llama":
+    hidden, width, norm, bias, activation, gated = 2048, 16384, "rms", False, "silu", True
+  else:
+    hidden, width, norm, bias, activation, gated = 768, 3072, "layer", True, "gelu_tanh", False
+  out_width = width // 2 if gated else width
 
-  def swiglu(x, w, scale, residual):
-    return fused_linear(x, w, norm="rms", norm_scale=scale, activation="silu", gated=True,
-                        residual=residual)
+  def mlp_in(x, w, scale, shift, b):
+    return fused_linear(x, w, norm=norm, norm_scale=scale, norm_bias=shift if norm == "layer"
+                        else None, bias=b if bias else None, activation=activation, gated=gated)
 
-  text = lower_for_h200(swiglu, spec(1, 2048), spec(2048, 16384), spec(2048), spec(1, 8192))
+  def mlp_out(a, w, b, residual):
+    return fused_linear(a, w, bias=b if bias else None, residual=residual)
+
+  text = lower_for_h200(mlp_in, spec(1, hidden), spec(hidden, width), spec(hidden), spec(hidden),
+                        spec(width))
+  assert "triton" in text.lower()
+  text = lower_for_h200(mlp_out, spec(8, out_width), spec(out_width, hidden), spec(hidden),
+                        spec(8, hidden))
   assert "triton" in text.lower()
 
 
