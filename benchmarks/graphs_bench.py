@@ -51,6 +51,8 @@ def main():
   parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
   parser.add_argument("--matmul-rows", default="1",
                       help="comma list of Engine(min_matmul_rows=...) values to compare")
+  parser.add_argument("--ttft-len", type=int, default=512,
+                      help="prompt length of the time-to-first-token rows (0: not measured)")
   parser.add_argument("--linears", default="xla",
                       help="comma list of Engine(linear=...) projection backends to compare")
   args = parser.parse_args()
@@ -63,8 +65,9 @@ def main():
   rows, rows_path = [], os.path.join(args.out, "graphs_rows.json")
   prompt = [[11, 22, 33, 44, 55, 66, 77]]
   for model in args.models.split(","):
+    prompt_buckets = (16, args.ttft_len) if args.ttft_len > 16 else (16,)
     base = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=batches,
-                                  prompt_buckets=(16,), max_seq_len=args.max_seq_len,
+                                  prompt_buckets=prompt_buckets, max_seq_len=args.max_seq_len,
                                   attention=args.attention, compilation_cache=False)
     reference_tokens = None
     for layer_loop, mode, matmul_rows, linear in itertools.product(
@@ -107,6 +110,9 @@ def main():
           row["host_dispatch_us"] = row.pop("host_dispatch_wall_us")
           row["top_kernels"] = [list(k) for k in report.top_kernels]
           row["floor_us"] = floor_us(engine, batch, args.position)
+          if args.ttft_len:
+            row["ttft_ms"] = profile.time_prefill(engine, batch, args.ttft_len)
+            row["ttft_prompt_len"] = args.ttft_len
           if model in args.traces.split(",") and batch == 1:
             shutil.copy(trace_path, os.path.join(
                 args.out, f"trace_{model}_{layer_loop}_{mode}_{linear}_rows{matmul_rows}.json.gz"))

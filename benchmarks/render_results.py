@@ -158,6 +158,14 @@ def comparison(baseline_path: str, graph_paths: list[str], md_path: str, png_pat
     ratio = "-" if not (ours_best and other_best) else f"{other_best / ours_best:.2f}x"
     out.append(f"| {model} | {batch} | {_fmt(floors.get((model, batch)))} | "
                + " | ".join(_fmt(v) for v in values) + f" | {ratio} |")
+  ttft = {(r["system"], r["model"], r["batch"]): r.get("ttft_ms") for r in rows
+          if r.get("max_len", r.get("max_seq_len")) == 1024}
+  out += ["", "Time to first token (ms): prefill of a 512-token prompt per row and the first "
+          "greedy token, on the device (no host read-back); HF generate: one new token.", "",
+          "| model | batch | " + " | ".join(systems) + " |", "|---|---|" + "---|" * len(systems)]
+  for model, batch in cells:
+    out.append(f"| {model} | {batch} | "
+               + " | ".join(_fmt(ttft.get((s, model, batch)), 2) for s in systems) + " |")
   with open(md_path, "w") as f:
     f.write("\n".join(out) + "\n")
 

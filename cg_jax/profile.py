@@ -241,6 +241,33 @@ def time_decode(engine, batch: int, *, position: int = 512, steps: int = 64, rep
           "pipelined_call_us": statistics.median(pipelined) * 1e6}
 
 
+def time_prefill(engine, batch: int, prompt_len: int, *, repeats: int = 10,
+                 seed: int = 0) -> float:
+  """Time to first token (ms, median): the prefill of `batch` random prompts of `prompt_len`
+  tokens and the greedy first-token pick, on the device (no host read-back), as the PyTorch
+  baselines measure it."""
+  bucket = engine.config.buckets.batch_bucket(batch)
+  length = engine.config.buckets.length_bucket(prompt_len)
+  prefill = engine._executable(("prefill", bucket, length))
+  first = engine._executable(("first", bucket, True))
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(0, engine.model_config.vocab_size, (bucket, length)),
+                       jnp.int32)
+  lengths = jnp.full((bucket,), prompt_len, jnp.int32)
+  weights = engine._split.weights
+
+  def once():
+    jax.block_until_ready(engine._cache)
+    start = time.perf_counter()
+    logits, engine._cache = prefill(weights, engine._cache, tokens, lengths)
+    jax.block_until_ready(first(logits, lengths, None))
+    return time.perf_counter() - start
+
+  engine._ensure_cache()
+  once()
+  return statistics.median(once() for _ in range(repeats)) * 1e3
+
+
 def _device_loop_runner(engine, batch: int, position: int):
   """A function running one greedy device-loop call of K tokens (cache pre-filled at random)."""
   from cg_jax.steps import LoopState
