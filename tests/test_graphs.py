@@ -95,6 +95,8 @@ def test_profile_and_timing_run_on_cpu():
   timing = profile.time_decode(engine, 1, position=20, steps=4, repeats=2)
   assert timing["step_us"] > 0 and timing["host_dispatch_wall_us"] > 0
   assert profile.time_device_loop(engine, 1, position=20, repeats=2) > 0
+  assert profile.device_loop_dispatch_us(engine, 1, position=20, repeats=2) > 0
+  assert profile.time_prefill(engine, 1, 12, repeats=2) > 0
   # The engine still generates correctly after the profiling runs overwrote its cache.
   fresh = Engine.from_pretrained("tiny-llama", batch_buckets=(1,), prompt_buckets=(16,),
                                  max_seq_len=64, decode_loop_steps=4)
