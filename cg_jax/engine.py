@@ -194,7 +194,8 @@ class Engine:
     self.config = EngineConfig(
         max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
         graphs=graphs, decode_loop_steps=decode_loop_steps, readback_lag=readback_lag,
-        min_matmul_rows=min_matmul_rows, linear=linear, compiler_options=tuple(sorted(options.items())))
+        min_matmul_rows=min_matmul_rows, linear=linear,
+        compiler_options=tuple(sorted(options.items())))
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
 

@@ -299,7 +299,8 @@ def time_device_loop(engine, batch: int, *, position: int = 512, repeats: int = 
   return statistics.median(once()[1] for _ in range(repeats)) / k * 1e6
 
 
-def device_loop_dispatch_us(engine, batch: int, *, position: int = 512, repeats: int = 16) -> float:
+def device_loop_dispatch_us(engine, batch: int, *, position: int = 512,
+                            repeats: int = 16) -> float:
   """Median host time (us) of one device-loop call (K tokens) issued into an idle queue."""
   once, _ = _device_loop_runner(engine, batch, position)
   once()

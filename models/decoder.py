@@ -171,6 +171,8 @@ def check_linear_backend(config: DecoderConfig, linear: str) -> None:
     odd = {name: value for name, value in widths.items() if value % 16}
     if odd:
       raise ValueError(f"linear='pallas' needs multiples of 16; got {odd}")
+
+
 LAYER_LOOPS = ("scan", "unroll")
 
 
