@@ -56,6 +56,16 @@ class FusedLinearConfig:
         raise ValueError(f"FusedLinearConfig.{name} must be a positive int, got {value!r}")
 
 
+def default_config(width: int) -> FusedLinearConfig:
+  """A starting launch config for an output `width`: the widest column block (up to 64) that
+  still gives ~100 programs, so narrow projections spread over the GPU's 132 SMs (a heuristic
+  until `benchmarks/linear_bench.py` has measured the shapes)."""
+  block_n = 64
+  while block_n > _MIN_DOT_DIM and width // block_n < 96:
+    block_n //= 2
+  return FusedLinearConfig(block_n=block_n)
+
+
 def _activate(x, activation: str | None):
   if activation is None:
     return x
@@ -187,7 +197,7 @@ def supported(hidden: int, width: int) -> bool:
                                              "interpret"))
 def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=None,
                  eps: float = 1e-5, bias=None, activation: str | None = None, gated: bool = False,
-                 residual=None, config: FusedLinearConfig = FusedLinearConfig(),
+                 residual=None, config: FusedLinearConfig | None = None,
                  interpret: bool = False):
   """y = residual + act(norm(x) @ w + bias), or with `gated`: act(gate) * up for w = [gate | up].
 
@@ -197,12 +207,14 @@ def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=No
     norm: None, "rms" (norm_scale) or "layer" (norm_scale, norm_bias), over x's K columns.
     bias: [N]; activation: None, "gelu_tanh", "gelu" or "silu"; gated: split w's columns into
       gate and up halves (needs an activation); residual: [R, N or N/2] added last.
-    config: launch settings; interpret: run in the Pallas interpreter (CPU tests).
+    config: launch settings (default: `default_config` of the output width); interpret: run in
+      the Pallas interpreter (CPU tests).
   Returns:
     [R, N] (or [R, N/2] when gated) in x's dtype.
   """
   width = _check(x, w, norm, norm_scale, norm_bias, bias, activation, gated, residual)
   rows, hidden = x.shape
+  config = default_config(width) if config is None else config
   block_k = _largest_dividing_block(hidden, config.block_k)
   block_n = _largest_dividing_block(width, config.block_n)
   if block_k is None or block_n is None:

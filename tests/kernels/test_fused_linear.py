@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cg_jax.kernels.fused_linear import FusedLinearConfig, fused_linear, fused_linear_reference
+from cg_jax.kernels.fused_linear import (FusedLinearConfig, default_config, fused_linear,
+                                         fused_linear_reference)
 from tests.kernels.kernel_test_base import assert_kernel_close, lower_for_h200, random_array
 
 SMALL = FusedLinearConfig(block_n=16, block_k=32)
@@ -164,6 +165,12 @@ def test_bad_arguments(change, error, match):
   x, w = arguments.pop("x"), arguments.pop("w")
   with pytest.raises(error, match=match):
     fused_linear(x, w, interpret=True, **arguments)
+
+
+@pytest.mark.parametrize("width, block_n", [(768, 16), (2304, 16), (3072, 32), (8192, 64),
+                                            (48, 16)])
+def test_default_config_spreads_narrow_outputs(width, block_n):
+  assert default_config(width).block_n == block_n
 
 
 def test_config_validation():
