@@ -1,0 +1,42 @@
+"""The engine's decode step and device loop, with Pallas attention and fused Pallas projections,
+lower for an (abstract) H200 with every kernel as a Triton call: a CPU check that the GPU run
+will not fail at lowering."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cg_jax import Engine
+from cg_jax.steps import LoopState
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
+def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
+  from jax.sharding import AbstractDevice, AbstractMesh
+
+  engine = Engine.from_pretrained(preset, dtype="bfloat16", batch_buckets=(1, 4),
+                                  prompt_buckets=(16,), max_seq_len=128, attention="pallas",
+                                  linear="pallas", layer_loop="unroll")
+  layers = engine.model_config.num_layers
+  # Trace as on a GPU (no interpreter), lower for CUDA.
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  weights, cache = engine._specs()
+  i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    decode = jax.jit(engine._steps.decode, donate_argnums=(1, 2, 3)).trace(
+        weights, cache, i32, i32, None).lower(lowering_platforms=("cuda",)).as_text()
+    loop = jax.jit(engine._steps.decode_loop, donate_argnums=(1, 2)).trace(
+        weights, cache, LoopState.spec(4), jax.ShapeDtypeStruct((8,), jnp.int32),
+        None).lower(lowering_platforms=("cuda",)).as_text()
+  for text in (decode, loop):
+    # The four projection kernels (one lowered function each, called once per layer) and the
+    # decode-attention kernel, all Triton calls; nothing interpreted.
+    calls = re.findall(r"call @(fused_linear\w*|decode_attention\w*)\(", text)
+    assert sum(c.startswith("fused_linear") for c in calls) == 4 * layers, calls
+    assert sum(c.startswith("decode_attention") for c in calls) == layers, calls
+    assert text.count('name = "fused_linear"') == 4
+    assert text.count("custom_call @__gpu$xla.gpu.triton") >= 5
