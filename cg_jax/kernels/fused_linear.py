@@ -11,8 +11,8 @@ activations and residual adds in kernels of their own. Here one program per bloc
      the product in float32 (gated units keep two accumulators, gate and up columns);
   3. the epilogue adds the bias, applies the activation (or act(gate) * up) and the residual,
      and writes [rows, block_n].
-Rows are padded to a power of two >= 16 (Triton dots need 16); padded rows are zeros and never
-reach the output. The norm follows `models.decoder._norm` (float32 statistics; LayerNorm's
+Rows are handled as a power of two >= 16 (Triton dots need 16) through masked loads and stores:
+the extra rows read as zeros and are never written, so no padding copy runs outside the kernel. The norm follows `models.decoder._norm` (float32 statistics; LayerNorm's
 affine in float32, RMSNorm's scale applied after the cast back, as Llama does).
 """
 
@@ -77,9 +77,10 @@ def _activate(x, activation: str | None):
 
 
 def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden, block_k,
-            out_dtype):
+            padded_rows, out_dtype):
   """refs: x [R, K], w [K, bn] (and w_up [K, bn] when gated), then the optional norm scale
-  [K] / norm bias [K], bias [bn] (and bias_up), residual [R, bn]; output [R, bn]."""
+  [K] / norm bias [K], bias [bn] (and bias_up), residual [R, bn]; output [R, bn]. Rows are
+  handled as `padded_rows` (a power of two >= 16) with masked loads and stores."""
   refs = list(refs)
   x_ref, w_ref = refs.pop(0), refs.pop(0)
   w_up_ref = refs.pop(0) if gated else None
@@ -89,7 +90,13 @@ def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden,
   bias_up_ref = refs.pop(0) if has_bias and gated else None
   residual_ref = refs.pop(0) if has_residual else None
   (o_ref,) = refs
-  rows = x_ref.shape[0]
+  rows = padded_rows
+  real_rows = (jnp.arange(padded_rows) < x_ref.shape[0])[:, None]
+
+  def load_rows(ref, columns):
+    """[padded_rows, columns] of a [R, ...] ref; rows past R read as zeros."""
+    return pltriton.load(ref.at[pl.ds(0, padded_rows), columns], mask=real_rows, other=0)
+
   steps = hidden // block_k
   dtype = x_ref.dtype
   precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
@@ -100,7 +107,7 @@ def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden,
     def moments(step, carry):
       total, squares = carry
       # [R, block_k]
-      chunk = x_ref[:, pl.ds(step * block_k, block_k)].astype(jnp.float32)
+      chunk = load_rows(x_ref, pl.ds(step * block_k, block_k)).astype(jnp.float32)
       return total + jnp.sum(chunk, axis=1), squares + jnp.sum(chunk * chunk, axis=1)
 
     zeros = jnp.zeros((rows,), jnp.float32)
@@ -115,7 +122,7 @@ def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden,
   def body(step, accumulators):
     columns = pl.ds(step * block_k, block_k)
     # [R, block_k]
-    x = x_ref[:, columns]
+    x = load_rows(x_ref, columns)
     if norm == "layer":
       normed = (x.astype(jnp.float32) - mean) * rstd
       x = (normed * scale_ref[columns].astype(jnp.float32)[None, :]
@@ -146,8 +153,8 @@ def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden,
       up = op(jnp.add, up, bias_up_ref[...][None, :])
     y = op(jnp.multiply, y, up)
   if has_residual:
-    y = op(jnp.add, residual_ref[...], y)
-  o_ref[...] = y.astype(out_dtype)
+    y = op(jnp.add, load_rows(residual_ref, slice(None)), y)
+  pltriton.store(o_ref.at[pl.ds(0, padded_rows), :], y.astype(out_dtype), mask=real_rows)
 
 
 def _check(x, w, norm, norm_scale, norm_bias, bias, activation, gated, residual):
@@ -221,11 +228,10 @@ def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=No
     raise ValueError(f"fused_linear needs K ({hidden}) and output width ({width}) to be "
                      f"multiples of {_MIN_DOT_DIM}")
   padded_rows = max(_MIN_DOT_DIM, pl.next_power_of_2(rows))
-  pad_rows = ((0, padded_rows - rows), (0, 0))
   blocks = width // block_n
 
-  operands = [jnp.pad(x, pad_rows), w]
-  specs = [pl.BlockSpec((padded_rows, hidden), lambda n: (0, 0)),
+  operands = [x, w]
+  specs = [pl.BlockSpec((rows, hidden), lambda n: (0, 0)),
            pl.BlockSpec((hidden, block_n), lambda n: (0, n))]
   if gated:
     operands.append(w)
@@ -241,25 +247,24 @@ def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=No
       operands.append(bias)
       specs.append(pl.BlockSpec((block_n,), lambda n: (n + blocks,)))
   if residual is not None:
-    operands.append(jnp.pad(residual, pad_rows))
-    specs.append(pl.BlockSpec((padded_rows, block_n), lambda n: (0, n)))
+    operands.append(residual)
+    specs.append(pl.BlockSpec((rows, block_n), lambda n: (0, n)))
 
   kernel = functools.partial(
       _kernel, norm=norm, eps=eps, activation=activation, gated=gated,
       has_bias=bias is not None, has_residual=residual is not None, hidden=hidden,
-      block_k=block_k, out_dtype=x.dtype)
-  out = pl.pallas_call(
+      block_k=block_k, padded_rows=padded_rows, out_dtype=x.dtype)
+  return pl.pallas_call(
       kernel,
       grid=(blocks,),
       in_specs=specs,
-      out_specs=pl.BlockSpec((padded_rows, block_n), lambda n: (0, n)),
-      out_shape=jax.ShapeDtypeStruct((padded_rows, width), x.dtype),
+      out_specs=pl.BlockSpec((rows, block_n), lambda n: (0, n)),
+      out_shape=jax.ShapeDtypeStruct((rows, width), x.dtype),
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="fused_linear",
   )(*operands)
-  return out[:rows]
 
 
 def fused_linear_reference(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=None,
