@@ -13,12 +13,14 @@ cache along the key axis:
      the length reads nothing and reports m = -inf, l = 0, acc = 0.
   2. The per-split partials are combined in plain jnp: the max over splits, each split rescaled by
      exp(m_split - m_max), summed, and divided by the summed denominator. A row with no valid key
-     (length 0) gets zeros, never NaN.
+     (length 0) gets zeros, never NaN. When the cache fits one split, the kernel normalises and
+     writes the result itself: one kernel, no combine.
 
-Triton dots need every dimension >= 16 and power-of-two shapes, so the query group is padded with
-zero rows to max(16, next_pow2(Hq // Hkv)); padded rows are dropped at the end. Cache rows past the
-length (and past T, where T is not a multiple of the split) are never loaded: every key/value load
-is masked, so the cache is not copied or padded.
+Triton dots need every dimension >= 16 and power-of-two shapes, so the kernel handles the query
+group as max(16, next_pow2(Hq // Hkv)) rows through masked loads and stores (the extra rows read as
+zeros and are never written; nothing is padded outside the kernel). Cache rows past the length
+(and past T, where T is not a multiple of the split) are never loaded: every key/value load is
+masked, so the cache is not copied or padded.
 
 `decode_attention_reference` is the same computation in plain jnp, the XLA fallback.
 """
@@ -129,15 +131,18 @@ def _combine_splits(split_acc, split_max, split_denom):
   return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, max_ref, denom_ref, *,
-                             sm_scale: float, block_k: int, split_size: int):
+def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale: float,
+                             block_k: int, split_size: int, padded_group: int):
   """One (batch row, KV head, split) program.
 
   Refs: lengths_ref [] int32; q_ref [G, D]; k_ref, v_ref [split_size, D] (this split's window of
-  the cache, possibly reaching past T: rows at or past the length are never loaded);
-  acc_ref [G, D] f32; max_ref, denom_ref [G] f32.
+  the cache, possibly reaching past T: rows at or past the length are never loaded). Outputs:
+  with one split, out_ref [G, D] (the normalised result in q's dtype); with several, the
+  partials acc_ref [G, D] f32 and max_ref, denom_ref [G] f32 for `_combine_splits`. The G query
+  rows are handled as `padded_group` (>= 16 for Triton dots) through masked loads and stores.
   """
   group, head_dim = q_ref.shape
+  real_rows = jnp.arange(padded_group) < group
   split_start = pl.program_id(2) * split_size
   length = lengths_ref[()]
   # Blocks of this split that hold at least one key below `length` (0 when the split is past it).
@@ -145,8 +150,8 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, max_ref,
   keys_left = jnp.maximum(length - split_start, 0)
   num_blocks = jnp.minimum((keys_left + block_k - 1) // block_k, split_size // block_k)
 
-  # [G, D]
-  query = q_ref[...]
+  # [G_pad, D]; rows past G read as zeros and are never stored.
+  query = pltriton.load(q_ref.at[pl.ds(0, padded_group), :], mask=real_rows[:, None], other=0.0)
 
   def attend_block(block_index, carry):
     acc, row_max, denom = carry
@@ -177,13 +182,20 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, max_ref,
     acc = acc * rescale[:, None] + block_out
     return acc, new_max, denom
 
-  initial = (jnp.zeros((group, head_dim), jnp.float32),
-             jnp.full((group,), -jnp.inf, jnp.float32),
-             jnp.zeros((group,), jnp.float32))
+  initial = (jnp.zeros((padded_group, head_dim), jnp.float32),
+             jnp.full((padded_group,), -jnp.inf, jnp.float32),
+             jnp.zeros((padded_group,), jnp.float32))
   acc, row_max, denom = lax.fori_loop(0, num_blocks, attend_block, initial)
-  acc_ref[...] = acc
-  max_ref[...] = row_max
-  denom_ref[...] = denom
+  rows = pl.ds(0, padded_group)
+  if len(out_refs) == 1:  # one split: normalise here (a row with no valid key gives zeros)
+    (out_ref,) = out_refs
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+    pltriton.store(out_ref.at[rows, :], out.astype(out_ref.dtype), mask=real_rows[:, None])
+    return
+  acc_ref, max_ref, denom_ref = out_refs
+  pltriton.store(acc_ref.at[rows, :], acc, mask=real_rows[:, None])
+  pltriton.store(max_ref.at[rows], row_max, mask=real_rows)
+  pltriton.store(denom_ref.at[rows], denom, mask=real_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"))
@@ -243,12 +255,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
   num_splits = pl.cdiv(cache_len, split_size)
 
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, cache_len)
-  # [B, Hkv, G, D] -> [B, Hkv, G_pad, D]; padded query rows are zeros and are dropped below.
+  # [B, Hkv, G, D] (a free reshape: the kernel pads G to G_pad with masked loads)
   grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
-  grouped_q = jnp.pad(grouped_q, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
 
   kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
-                             split_size=split_size)
+                             split_size=split_size, padded_group=padded_group)
   squeezed = pl.squeezed
   if layer is None:
     cache_spec = pl.BlockSpec((squeezed, split_size, squeezed, head_dim),
@@ -256,40 +267,43 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
   else:
     cache_spec = pl.BlockSpec((squeezed, squeezed, split_size, squeezed, head_dim),
                               lambda b, h, s: (layer, b, s, h, 0))
-  split_acc, split_max, split_denom = pl.pallas_call(
+  if num_splits == 1:
+    # One kernel, no combine: [B, Hkv, G, D] in q's dtype.
+    out_specs = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
+    out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), q.dtype)
+  else:
+    # Per-split partials, merged by `_combine_splits`.
+    out_specs = [
+        pl.BlockSpec((squeezed, squeezed, squeezed, group, head_dim),
+                     lambda b, h, s: (b, h, s, 0, 0)),
+        pl.BlockSpec((squeezed, squeezed, squeezed, group), lambda b, h, s: (b, h, s, 0)),
+        pl.BlockSpec((squeezed, squeezed, squeezed, group), lambda b, h, s: (b, h, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group), jnp.float32),
+    ]
+  result = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, num_splits),
       in_specs=[
           pl.BlockSpec((squeezed,), lambda b, h, s: (b,)),
-          pl.BlockSpec((squeezed, squeezed, padded_group, head_dim),
-                       lambda b, h, s: (b, h, 0, 0)),
+          pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
           cache_spec,
           cache_spec,
       ],
-      out_specs=[
-          pl.BlockSpec((squeezed, squeezed, squeezed, padded_group, head_dim),
-                       lambda b, h, s: (b, h, s, 0, 0)),
-          pl.BlockSpec((squeezed, squeezed, squeezed, padded_group),
-                       lambda b, h, s: (b, h, s, 0)),
-          pl.BlockSpec((squeezed, squeezed, squeezed, padded_group),
-                       lambda b, h, s: (b, h, s, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_group, head_dim),
-                               jnp.float32),
-          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_group), jnp.float32),
-          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_group), jnp.float32),
-      ],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="decode_attention",
   )(lengths, grouped_q, k_cache, v_cache)
 
-  # [B, Hkv, G_pad, D] -> [B, Hq, D]
-  out = _combine_splits(split_acc, split_max, split_denom)
-  out = out[:, :, :group].reshape(batch, num_q_heads, head_dim)
-  return out.astype(q.dtype)
+  # [B, Hkv, G, D] -> [B, Hq, D]
+  out = result if num_splits == 1 else _combine_splits(*result)
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))

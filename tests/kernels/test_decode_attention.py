@@ -50,6 +50,11 @@ CASES = [
          config=DecodeAttentionConfig(block_k=16, split_size=64)),
     # The default config: split clamped to the short cache (one split, block_k 64).
     Case("bfloat16", 64, 8, 2, 100, (100, 33)),
+    # A group of 3 (not a power of two) in one split (normalised in the kernel), with a
+    # length-0 row; and the same group over several splits.
+    Case("float32", 64, 6, 2, 50, (50, 0, 7),
+         config=DecodeAttentionConfig(block_k=16, split_size=64)),
+    Case("bfloat16", 64, 6, 2, 130, (130, 0, 65)),
 ]
 
 
