@@ -5,8 +5,8 @@ A decode step multiplies a handful of rows (the batch) by every weight matrix. X
 single-row product into a multiply-and-reduce pair of fusions and keeps the norms, biases,
 activations and residual adds in kernels of their own. Here one program per block of
 `block_n` output columns streams its [K, block_n] slab of the weight in `block_k` steps:
-  1. (norm) a first pass over the row computes the RMS (or mean and variance for LayerNorm);
-     the tiny input stays in L2, so the second read is cheap;
+  1. (norm) a first pass over the row computes the RMS (two passes, mean then variance, for
+     LayerNorm); the tiny input stays in cache, so the extra reads are cheap;
   2. each step normalises its [rows, block_k] slice of the input on the fly and accumulates
      the product in float32 (gated units keep two accumulators, gate and up columns);
   3. the epilogue adds the bias, applies the activation (or act(gate) * up) and the residual,
@@ -104,19 +104,19 @@ def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden,
   mean = jnp.zeros((rows, 1), jnp.float32)
   rstd = jnp.ones((rows, 1), jnp.float32)
   if norm:
-    def moments(step, carry):
-      total, squares = carry
-      # [R, block_k]
-      chunk = load_rows(x_ref, pl.ds(step * block_k, block_k)).astype(jnp.float32)
-      return total + jnp.sum(chunk, axis=1), squares + jnp.sum(chunk * chunk, axis=1)
+    def row_sum(transform):
+      """sum over K of transform(x chunk) per row, in float32: [R]."""
+      def add_chunk(step, total):
+        # [R, block_k]
+        chunk = load_rows(x_ref, pl.ds(step * block_k, block_k)).astype(jnp.float32)
+        return total + jnp.sum(transform(chunk), axis=1)
+      return jax.lax.fori_loop(0, steps, add_chunk, jnp.zeros((rows,), jnp.float32))
 
-    zeros = jnp.zeros((rows,), jnp.float32)
-    total, squares = jax.lax.fori_loop(0, steps, moments, (zeros, zeros))
+    # Two passes for LayerNorm (mean, then the centred squares), as `models.decoder._norm`
+    # computes it; the row is tiny and stays in cache, so re-reading it is cheap.
     if norm == "layer":
-      mean = (total / hidden)[:, None]
-      variance = squares[:, None] / hidden - mean * mean
-    else:
-      variance = squares[:, None] / hidden
+      mean = (row_sum(lambda chunk: chunk) / hidden)[:, None]
+    variance = (row_sum(lambda chunk: jnp.square(chunk - mean)) / hidden)[:, None]
     rstd = jax.lax.rsqrt(variance + eps)
 
   def body(step, accumulators):

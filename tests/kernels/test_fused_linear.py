@@ -110,6 +110,25 @@ def test_kernel_matches_float64_reference(case):
                       what=f"fused_linear_reference[{case}]")
 
 
+@pytest.mark.parametrize("offset", [30.0, 300.0, 3000.0])
+def test_layer_norm_of_offset_rows_is_accurate(offset):
+  """Rows with a large mean (|mean| >> std, as in GPT-2 residual streams): the kernel's error
+  against float64 is no worse than the unfused XLA path's (which is what float32 inputs allow;
+  a variance taken as E[x^2] - mean^2 would be far worse), and within 1e-5 at offset 30."""
+  case = Case(2, 128, 32, norm="layer")
+  x, w, options = _inputs(case, seed=5)
+  x = x + offset
+  reference = float64_reference(x, w, **options)
+  scale = np.max(np.abs(reference))
+  kernel_error = np.max(np.abs(np.asarray(
+      fused_linear(x, w, config=SMALL, interpret=True, **options), np.float64) - reference))
+  xla_error = np.max(np.abs(np.asarray(fused_linear_reference(x, w, **options), np.float64)
+                            - reference))
+  assert kernel_error <= 1.5 * xla_error + 1e-7 * scale, (kernel_error, xla_error)
+  if offset <= 30:
+    assert kernel_error <= 1e-5 * scale
+
+
 def test_padded_rows_do_not_change_real_rows():
   """Row r of a 3-row call equals the same row computed alone (rows are independent)."""
   case = Case(3, 64, 48, norm="rms", bias=True, residual=True)
