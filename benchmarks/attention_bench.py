@@ -15,15 +15,13 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import statistics
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from bench_util import git_commit, median_call_us
+from bench_util import fastest, git_commit, median_call_us, relative_error, write_rows
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_reference)
 from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attention,
@@ -75,11 +73,6 @@ def _to_torch(x):
   return torch.from_dlpack(x)
 
 
-def _relative_error(out, ref) -> float:
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
-
-
 def _random_inputs(seed: int, q_shape, kv_shape, batch: int, length: int):
   """Random bfloat16 q, k, v (never zeros) and full-length rows."""
   keys = jax.random.split(jax.random.key(seed), 3)
@@ -96,19 +89,17 @@ def decode_rows(batches, cache_lens, heads=32, kv_heads=8, head_dim=64):
       q, k, v, lengths = _random_inputs(batch * cache_len, (batch, heads, head_dim),
                                         (batch, cache_len, kv_heads, head_dim), batch, cache_len)
       reference = jax.jit(decode_attention_reference)
-      error = _relative_error(decode_attention(q, k, v, lengths, interpret=INTERPRET),
+      error = relative_error(decode_attention(q, k, v, lengths, interpret=INTERPRET),
                               reference(q, k, v, lengths))
       valid_bytes = 2 * batch * cache_len * kv_heads * head_dim * 2
       row = dict(kernel="decode_attention", batch=batch, cache_len=cache_len, heads=heads,
                  kv_heads=kv_heads, head_dim=head_dim, rel_error_vs_xla=error,
                  floor_us=valid_bytes / HBM_BYTES_PER_S * 1e6)
-      best = None
-      for config in DECODE_CONFIGS:
-        us = _median_us(jax.jit(functools.partial(decode_attention, config=config,
-                                                  interpret=INTERPRET)), q, k, v, lengths)
-        if best is None or us < best[0]:
-          best = (us, config)
-      row["pallas_us"], row["pallas_config"] = best[0], dataclasses.asdict(best[1])
+      us, config, _ = fastest(
+          ((config, jax.jit(functools.partial(decode_attention, config=config,
+                                              interpret=INTERPRET))) for config in DECODE_CONFIGS),
+          _median_us, q, k, v, lengths)
+      row["pallas_us"], row["pallas_config"] = us, dataclasses.asdict(config)
       row["xla_us"] = _median_us(reference, q, k, v, lengths)
 
       def torch_sdpa():
@@ -134,18 +125,16 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
       q, k, v, lengths = _random_inputs(seq + head_dim, (batch, seq, heads, head_dim),
                                         (batch, seq, kv_heads, head_dim), batch, seq)
       reference = jax.jit(flash_attention_reference)
-      error = _relative_error(flash_attention(q, k, v, lengths, interpret=INTERPRET),
+      error = relative_error(flash_attention(q, k, v, lengths, interpret=INTERPRET),
                               reference(q, k, v, lengths))
       flops = 4 * batch * heads * seq * seq * head_dim / 2  # causal half
-      best = None
-      for config in PREFILL_CONFIGS:
-        us = _median_us(jax.jit(functools.partial(flash_attention, config=config,
-                                                  interpret=INTERPRET)), q, k, v, lengths)
-        if best is None or us < best[0]:
-          best = (us, dataclasses.asdict(config))
+      us, config, _ = fastest(
+          ((config, jax.jit(functools.partial(flash_attention, config=config,
+                                              interpret=INTERPRET))) for config in PREFILL_CONFIGS),
+          _median_us, q, k, v, lengths)
       row = dict(kernel="flash_attention", batch=batch, seq_len=seq, heads=heads,
                  kv_heads=kv_heads, head_dim=head_dim, rel_error_vs_xla=error,
-                 pallas_us=best[0], pallas_config=best[1],
+                 pallas_us=us, pallas_config=dataclasses.asdict(config),
                  xla_us=_median_us(reference, q, k, v, lengths))
 
       def torch_sdpa():
@@ -196,7 +185,7 @@ def mosaic_probe_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 12
       if best is not None:
         reference = jax.jit(flash_attention_reference)
         row.update(mosaic_us=best[0], mosaic_block_kv=best[1],
-                   rel_error_vs_xla=_relative_error(best[2](q, k, v),
+                   rel_error_vs_xla=relative_error(best[2](q, k, v),
                                                     reference(q, k, v, lengths)),
                    mosaic_tflops=4 * batch * heads * seq * seq * head_dim / 2 / best[0] / 1e6)
       rows.append(row)
@@ -221,7 +210,6 @@ def main():
     global DECODE_CONFIGS, PREFILL_CONFIGS
     DECODE_CONFIGS, PREFILL_CONFIGS = DECODE_CONFIGS[:2], PREFILL_CONFIGS[:1]
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
-  os.makedirs(args.out, exist_ok=True)
   commit = git_commit()
   meta = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, commit=commit,
               date=datetime.date.today().isoformat(), dtype="bfloat16")
@@ -235,8 +223,7 @@ def main():
   if "mosaic-probe" in parts:
     rows += mosaic_probe_rows([int(s) for s in args.seq_lens.split(",")])
   rows = [dict(meta, **r) for r in rows]
-  with open(os.path.join(args.out, "attention_rows.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+  write_rows(args.out, "attention_rows.json", rows)
   print("\nkernel           shape                pallas_us   xla_us  torch_us  share_of_ceiling")
   for r in rows:
     if r["kernel"] == "mosaic_gpu_fa3_probe":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -37,3 +38,31 @@ def median_call_us(fn, *args, calls: int = 20, rounds: int = 7) -> float:
     jax.block_until_ready(out)
     times.append((time.perf_counter() - start) / calls)
   return statistics.median(times) * 1e6
+
+
+def fastest(candidates, timing, *args):
+  """The fastest of `candidates`, (label, function) pairs, each called on `args` and timed with
+  `timing(function, *args)` (microseconds): returns (us, label, function)."""
+  best = None
+  for label, function in candidates:
+    us = timing(function, *args)
+    if best is None or us < best[0]:
+      best = (us, label, function)
+  return best
+
+
+def relative_error(out, reference) -> float:
+  """max|out - reference| / max|reference|, in float64."""
+  import numpy as np
+
+  out, reference = np.asarray(out, np.float64), np.asarray(reference, np.float64)
+  return float(np.max(np.abs(out - reference)) / max(np.max(np.abs(reference)), 1e-30))
+
+
+def write_rows(out_dir: str, name: str, rows: list) -> str:
+  """Write benchmark rows as a JSON list to out_dir/name; returns the path."""
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, name)
+  with open(path, "w") as f:
+    json.dump(rows, f, indent=1)
+  return path

@@ -22,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench_util import git_commit
+from bench_util import git_commit, write_rows
 from cg_jax import Engine, profile
 
 
@@ -115,9 +115,7 @@ def main():
       row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
     rows.append(row)
     print(json.dumps({k: v for k, v in row.items() if k not in meta}), flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "dispatch_rows.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+  write_rows(args.out, "dispatch_rows.json", rows)
   print(f"\n{'variant':28s} {'step_us':>9s} {'dispatch_us':>12s} {'trivial_us':>11s} "
         f"{'no_emitted':>10s} {'loop/token':>10s}")
   for r in rows:

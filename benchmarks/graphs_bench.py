@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import shutil
 import time
 
 import jax
 
-from bench_util import git_commit
+from bench_util import git_commit, write_rows
 from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
 
@@ -62,7 +61,7 @@ def main():
               attention=args.attention,
               commit=git_commit(), date=datetime.date.today().isoformat(), dtype="bfloat16",
               position=args.position, max_seq_len=args.max_seq_len)
-  rows, rows_path = [], os.path.join(args.out, "graphs_rows.json")
+  rows = []
   prompt = [[11, 22, 33, 44, 55, 66, 77]]
   for model in args.models.split(","):
     prompt_buckets = (16, args.ttft_len) if args.ttft_len > 16 else (16,)
@@ -117,8 +116,7 @@ def main():
             shutil.copy(trace_path, os.path.join(
                 args.out, f"trace_{model}_{layer_loop}_{mode}_{linear}_rows{matmul_rows}.json.gz"))
           rows.append(row)
-          with open(rows_path, "w") as f:
-            json.dump(rows, f, indent=1)
+          write_rows(args.out, "graphs_rows.json", rows)
           print(f"{model:13s} {layer_loop:6s} {mode:11s} {linear:6s} rows>={matmul_rows:<2d} "
                 f"B={batch:<2d} step {row['step_us']:8.1f} us "
                 f"readback {row['step_readback_us']:8.1f} loop {row['device_loop_token_us']:8.1f} "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import tempfile
@@ -20,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from bench_util import git_commit
+from bench_util import git_commit, write_rows
 from cg_jax import Engine, host_io, profile
 
 
@@ -164,9 +163,7 @@ def main():
     rows += swap_overlap_rows(args.models.split(",")[0], args.swap_model, args.swap_batch,
                               args.swap_max_seq_len, args.max_seq_len)
   rows = [dict(meta, **r) for r in rows]
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "io_rows.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+  write_rows(args.out, "io_rows.json", rows)
   for r in rows:
     if r["kind"] == "transfer":
       print(f"transfer {r['direction']} {r['host_memory']:8s} {r['gb_per_s']:7.1f} GB/s")

@@ -15,14 +15,13 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_util import git_commit, median_call_us
+from bench_util import fastest, git_commit, median_call_us, relative_error, write_rows
 from cg_jax.kernels.fused_linear import FusedLinearConfig, fused_linear
 from models.config import PRESETS
 from models.decoder import xla_projection
@@ -91,29 +90,21 @@ def main():
         x, w, options = make_inputs(batch, hidden, width, spec, jnp.bfloat16, seed=batch)
         xla = jax.jit(functools.partial(xla_projection, **options))
         xla_padded = jax.jit(functools.partial(xla_projection, min_rows=16, **options))
-        expected = np.asarray(xla(x, w), np.float32)
-        best = None
-        for config in configs:
-          fused = jax.jit(functools.partial(fused_linear, config=config, interpret=interpret,
-                                            **options))
-          us = timing(fused, x, w)
-          if best is None or us < best[0]:
-            best = (us, config, fused)
-        error = float(np.max(np.abs(np.asarray(best[2](x, w), np.float32) - expected))
-                      / max(np.max(np.abs(expected)), 1e-30))
+        us, config, fused = fastest(
+            ((config, jax.jit(functools.partial(fused_linear, config=config,
+                                                interpret=interpret, **options)))
+             for config in configs), timing, x, w)
         floor = w.size * w.dtype.itemsize / HBM_BYTES_PER_S * 1e6
         row = dict(meta, model=model, projection=label, batch=batch, k=hidden, n=width,
-                   fused_us=best[0], fused_config=dataclasses.asdict(best[1]),
+                   fused_us=us, fused_config=dataclasses.asdict(config),
                    xla_us=timing(xla, x, w), xla_padded16_us=timing(xla_padded, x, w),
-                   floor_us=floor, fused_share_of_floor=floor / best[0],
-                   rel_error_vs_xla=error)
+                   floor_us=floor, fused_share_of_floor=floor / us,
+                   rel_error_vs_xla=relative_error(fused(x, w), xla(x, w)))
         rows.append(row)
         print(f"{model:13s} {label:17s} B={batch:<3d} fused {row['fused_us']:7.1f} us "
               f"xla {row['xla_us']:7.1f} padded {row['xla_padded16_us']:7.1f} floor "
-              f"{floor:6.1f} err {error:.1e}", flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "linear_rows.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+              f"{floor:6.1f} err {row['rel_error_vs_xla']:.1e}", flush=True)
+  write_rows(args.out, "linear_rows.json", rows)
   print(f"\n{'model':13s} {'projection':17s} {'B':>3s} {'fused':>8s} {'xla':>8s} {'xla16':>8s} "
         f"{'floor':>7s} {'share':>6s}")
   for r in rows:

@@ -33,7 +33,7 @@ def default_backend() -> str:
   return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _interpret() -> bool:
+def interpret_pallas() -> bool:
   """Pallas kernels compile for GPUs only; elsewhere they run in the interpreter."""
   return jax.default_backend() != "gpu"
 
@@ -75,7 +75,7 @@ def prefill_attention(q, k, v, lengths, *, sm_scale: float, backend: Backend = "
     from cg_jax.kernels.flash_attention import flash_attention
 
     return flash_attention(q, k, v, lengths, causal=True, sm_scale=sm_scale,
-                           interpret=_interpret())
+                           interpret=interpret_pallas())
   seq_len = q.shape[1]
   positions = jnp.arange(seq_len)
   # [B, S(query), S(key)]
@@ -104,7 +104,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
     from cg_jax.kernels.decode_attention import decode_attention as decode_kernel
 
     return decode_kernel(q, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
-                         interpret=_interpret())
+                         interpret=interpret_pallas())
   cache_len = k_cache.shape[1]
   # [B, 1, T]
   mask = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, None, :]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import Backend, decode_attention, prefill_attention
+from models.attention import Backend, decode_attention, interpret_pallas, prefill_attention
 from models.config import DecoderConfig
 
 LAYER_WEIGHTS: tuple[str, ...] = (
@@ -154,7 +154,7 @@ def _fused_projection(x, w, **options):
   """The same as one `cg_jax.kernels.fused_linear` kernel (interpreted off the GPU)."""
   from cg_jax.kernels.fused_linear import fused_linear
 
-  return fused_linear(x, w, interpret=jax.default_backend() != "gpu", **options)
+  return fused_linear(x, w, interpret=interpret_pallas(), **options)
 
 
 LINEAR_BACKENDS = ("xla", "pallas")

@@ -24,6 +24,7 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 import time
 
 import jax
@@ -183,10 +184,7 @@ def train(settings: TrainSettings, train_ids: np.ndarray, valid_ids: np.ndarray,
 def write_model(out: str, config: DecoderConfig, weights, work: str, settings: TrainSettings,
                 result: dict, corpus_sha256: str) -> None:
   save_checkpoint(out, config, weights, dtype="bfloat16")
-  with open(os.path.join(work, "tokenizer.json")) as f:
-    tokenizer = f.read()
-  with open(os.path.join(out, "tokenizer.json"), "w") as f:
-    f.write(tokenizer)
+  shutil.copyfile(os.path.join(work, "tokenizer.json"), os.path.join(out, "tokenizer.json"))
   with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
     json.dump(dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=END_OF_TEXT,
                    eos_token=END_OF_TEXT, unk_token=None, model_max_length=config.max_position_embeddings),

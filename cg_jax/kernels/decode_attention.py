@@ -37,13 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Triton's tl.dot needs every operand dimension to be at least this large.
-_MIN_DOT_DIM = 16
+from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
+
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
-
-
-def _is_power_of_two(value: int) -> bool:
-  return value > 0 and value & (value - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +62,11 @@ class DecodeAttentionConfig:
   def __post_init__(self):
     for name in ("block_k", "split_size", "num_warps"):
       value = getattr(self, name)
-      if not isinstance(value, int) or not _is_power_of_two(value):
+      if not isinstance(value, int) or not is_power_of_two(value):
         raise ValueError(f"DecodeAttentionConfig.{name} must be a positive power of two, "
                          f"got {value!r}")
-    if self.block_k < _MIN_DOT_DIM:
-      raise ValueError(f"DecodeAttentionConfig.block_k must be >= {_MIN_DOT_DIM} (Triton dot), "
+    if self.block_k < MIN_DOT_DIM:
+      raise ValueError(f"DecodeAttentionConfig.block_k must be >= {MIN_DOT_DIM} (Triton dot), "
                        f"got {self.block_k}")
     if self.split_size % self.block_k:
       raise ValueError(f"DecodeAttentionConfig.split_size ({self.split_size}) must be a multiple "
@@ -241,14 +237,14 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
   cache_len, num_kv_heads = k_cache.shape[-3], k_cache.shape[-2]
   if q.dtype not in _KERNEL_DTYPES:
     raise ValueError(f"q dtype must be float32 or bfloat16 for the kernel; got {q.dtype}")
-  if not _is_power_of_two(head_dim) or head_dim < _MIN_DOT_DIM:
-    raise ValueError(f"q head_dim must be a power of two >= {_MIN_DOT_DIM} for the kernel; "
+  if not is_power_of_two(head_dim) or head_dim < MIN_DOT_DIM:
+    raise ValueError(f"q head_dim must be a power of two >= {MIN_DOT_DIM} for the kernel; "
                      f"got q {tuple(q.shape)} (use decode_attention_reference)")
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
 
   group = num_q_heads // num_kv_heads
-  padded_group = max(_MIN_DOT_DIM, pl.next_power_of_2(group))
+  padded_group = max(MIN_DOT_DIM, pl.next_power_of_2(group))
   block_k = config.block_k
   # Short caches run as one split; the last split may reach past T (its loads are masked).
   split_size = min(config.split_size, max(block_k, pl.next_power_of_2(cache_len)))

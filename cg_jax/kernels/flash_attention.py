@@ -19,9 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-
-def _is_power_of_two(value: int) -> bool:
-  return value > 0 and value & (value - 1) == 0
+from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +34,8 @@ class FlashAttentionConfig:
   def __post_init__(self):
     for name in ("block_q", "block_k"):
       value = getattr(self, name)
-      if not _is_power_of_two(value) or value < 16:
-        raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+      if not is_power_of_two(value) or value < MIN_DOT_DIM:
+        raise ValueError(f"{name} must be a power of two >= {MIN_DOT_DIM}, got {value}")
     for name in ("num_warps", "num_stages"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -124,8 +122,8 @@ def flash_attention(q, k, v, lengths, *, causal: bool = True, sm_scale: float | 
   batch, seq, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-  block_q = min(config.block_q, max(16, pl.next_power_of_2(seq)))
-  block_k = min(config.block_k, max(16, pl.next_power_of_2(seq)))
+  block_q = min(config.block_q, max(MIN_DOT_DIM, pl.next_power_of_2(seq)))
+  block_k = min(config.block_k, max(MIN_DOT_DIM, pl.next_power_of_2(seq)))
   padded = pl.cdiv(seq, max(block_q, block_k)) * max(block_q, block_k)
   pad = ((0, padded - seq), (0, 0), (0, 0))
 

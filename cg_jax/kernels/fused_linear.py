@@ -26,13 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
+
 NORMS = (None, "rms", "layer")
 ACTIVATIONS = (None, "gelu_tanh", "gelu", "silu")
-_MIN_DOT_DIM = 16
-
-
-def _is_power_of_two(value: int) -> bool:
-  return isinstance(value, int) and value > 0 and value & (value - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +44,8 @@ class FusedLinearConfig:
   def __post_init__(self):
     for name in ("block_n", "block_k"):
       value = getattr(self, name)
-      if not _is_power_of_two(value) or value < _MIN_DOT_DIM:
-        raise ValueError(f"FusedLinearConfig.{name} must be a power of two >= {_MIN_DOT_DIM}, "
+      if not is_power_of_two(value) or value < MIN_DOT_DIM:
+        raise ValueError(f"FusedLinearConfig.{name} must be a power of two >= {MIN_DOT_DIM}, "
                          f"got {value!r}")
     for name in ("num_warps", "num_stages"):
       value = getattr(self, name)
@@ -61,7 +58,7 @@ def default_config(width: int) -> FusedLinearConfig:
   still gives ~100 programs, so narrow projections spread over the GPU's 132 SMs (a heuristic
   until `benchmarks/linear_bench.py` has measured the shapes)."""
   block_n = 64
-  while block_n > _MIN_DOT_DIM and width // block_n < 96:
+  while block_n > MIN_DOT_DIM and width // block_n < 96:
     block_n //= 2
   return FusedLinearConfig(block_n=block_n)
 
@@ -188,16 +185,11 @@ def _check(x, w, norm, norm_scale, norm_bias, bias, activation, gated, residual)
 def _largest_dividing_block(size: int, limit: int) -> int | None:
   """The largest power of two <= limit dividing size, at least 16; None if there is none."""
   block = limit
-  while block >= _MIN_DOT_DIM:
+  while block >= MIN_DOT_DIM:
     if size % block == 0:
       return block
     block //= 2
   return None
-
-
-def supported(hidden: int, width: int) -> bool:
-  """Whether `fused_linear` takes a [*, hidden] x [hidden, width] product (16-aligned sizes)."""
-  return hidden % _MIN_DOT_DIM == 0 and width % _MIN_DOT_DIM == 0
 
 
 @functools.partial(jax.jit, static_argnames=("norm", "eps", "activation", "gated", "config",
@@ -226,8 +218,8 @@ def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=No
   block_n = _largest_dividing_block(width, config.block_n)
   if block_k is None or block_n is None:
     raise ValueError(f"fused_linear needs K ({hidden}) and output width ({width}) to be "
-                     f"multiples of {_MIN_DOT_DIM}")
-  padded_rows = max(_MIN_DOT_DIM, pl.next_power_of_2(rows))
+                     f"multiples of {MIN_DOT_DIM}")
+  padded_rows = max(MIN_DOT_DIM, pl.next_power_of_2(rows))
   blocks = width // block_n
 
   operands = [x, w]
