@@ -10,8 +10,9 @@
 #   io             host I/O: streamed tokens, pinned transfers, KV swap
 #   graphs-pallas  graph modes with Pallas attention in the decode step
 #   io-overlap, dispatch-loop, mosaic-probe, graphs-b32   short follow-ups (see below)
-#   matmul-rows    decode projections: kernel bench, and the step with XLA products padded to
-#                  1 or 16 rows against the fused Pallas projections
+#   attention-decode  the decode-attention rows of `attention` only
+#   linear         decode projections in-graph: fused Pallas kernel against XLA
+#   matmul-rows    the step with XLA products on 1, 8 or 16 rows, and with fused Pallas ones
 #   graphs-all     every graph mode x model x batch with Pallas attention
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 set -u
@@ -76,11 +77,17 @@ if has graphs-all; then  # every mode, with the idle-queue dispatch column (issu
     --models gpt2,gpt2-large,llama-3.2-1b --modes off,xla-default,full --layer-loops unroll \
     --batches 1,8 --traces none
 fi
-if has matmul-rows; then  # decode projections: XLA padded to 1/8/16 rows, and fused Pallas
-  run linear 150 python3 benchmarks/linear_bench.py
-  run matmul-rows 240 python3 benchmarks/graphs_bench.py --attention pallas \
+if has attention-decode; then
+  run attention-decode 150 python3 benchmarks/attention_bench.py --parts decode
+fi
+if has linear; then run linear 200 python3 benchmarks/linear_bench.py --batches 1,8; fi
+if has matmul-rows; then  # the step with XLA products on 1/8/16 rows, and fused Pallas ones
+  run matmul-rows 200 python3 benchmarks/graphs_bench.py --attention pallas \
+    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1 --traces gpt2 \
+    --loop-batches none --matmul-rows 1,8,16 --linears xla --ttft-len 0
+  run fused-linear 160 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8 --traces gpt2 \
-    --loop-batches none --matmul-rows 1,16 --linears xla,pallas
+    --loop-batches none --linears pallas --ttft-len 0
 fi
 if has baselines; then
   echo "=== baselines ($(date +%T)) ==="

@@ -105,21 +105,10 @@ def _apply_rope(x, positions, inv_freq):
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _matmul(x, w, min_rows: int = 1):
-  """x [..., I] @ w [I, O], true float32 on GPU for float32 weights (no TF32).
-
-  With fewer than `min_rows` rows, the rows are zero-padded up to `min_rows` for the product and
-  the padding sliced off again: XLA rewrites a single-row product (matrix-vector) as a
-  multiply-and-reduce fusion, and a few padded rows keep it a GEMM. The real rows' results
-  do not depend on the padding.
-  """
+def _matmul(x, w):
+  """x [..., I] @ w [I, O], true float32 on GPU for float32 weights (no TF32)."""
   precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-  rows = math.prod(x.shape[:-1])
-  if rows >= min_rows:
-    return jnp.matmul(x, w, precision=precision)
-  # [min_rows, I] with rows [rows, min_rows) zero
-  padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, min_rows - rows), (0, 0)))
-  return jnp.matmul(padded, w, precision=precision)[:rows].reshape(*x.shape[:-1], w.shape[-1])
+  return jnp.matmul(x, w, precision=precision)
 
 
 def _norm(x, scale, bias, eps: float):
@@ -135,11 +124,11 @@ def _norm(x, scale, bias, eps: float):
 
 
 def xla_projection(x, w, *, norm=None, norm_scale=None, norm_bias=None, eps=1e-5, bias=None,
-                    activation=None, gated=False, residual=None, min_rows: int = 1):
+                    activation=None, gated=False, residual=None):
   """residual + act(norm(x) @ w + bias) (act(gate) * up when gated), x [R, I], as XLA ops."""
   if norm is not None:
     x = _norm(x, norm_scale, norm_bias if norm == "layer" else None, eps)
-  y = _matmul(x, w, min_rows)
+  y = _matmul(x, w)
   if bias is not None:
     y = y + bias
   if gated:
@@ -272,21 +261,17 @@ class Decoder(nnx.Module):
     precision = jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None
     return jnp.matmul(x, head, precision=precision, preferred_element_type=jnp.float32)
 
-  def _block(self, x, w, positions, attend, min_rows: int = 1, linear: str = "xla"):
+  def _block(self, x, w, positions, attend, project=xla_projection):
     """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H].
 
     The four projections (norm + QKV, output + residual, norm + MLP in + activation, MLP out +
-    residual) run as plain XLA ops (`linear="xla"`, products with fewer than `min_rows` rows
-    zero-padded, see `_matmul`) or each as one fused Pallas kernel (`linear="pallas"`, for the
-    few rows of a decode step; `cg_jax.kernels.fused_linear`).
+    residual) run through `project(x, w[kind], **options)`: `xla_projection` (plain XLA ops) or
+    a fused Pallas kernel per projection (`_fused_projection`, for the few rows of a decode
+    step), which may take `w` as the weights stacked over layers with the layer bound in.
     """
     c = self.config
     batch, seq, hidden = x.shape
     rows = batch * seq
-    if linear == "pallas":
-      project = _fused_projection
-    else:
-      project = functools.partial(xla_projection, min_rows=min_rows)
     norm = "layer" if c.uses_layernorm else "rms"
     # [B*S, D]
     flat = x.reshape(rows, hidden)
@@ -383,32 +368,48 @@ class Decoder(nnx.Module):
     Args:
       tokens: int32 [B]; positions: int32 [B], each < T; cache: `KVCache` [L, B', T, K, H] with
         B' >= B; rows [0, B) are used and written.
-      min_matmul_rows: the layers' products run on at least this many rows (zero-padded;
-        see `_matmul`; XLA projections only).
-      linear: "xla" or "pallas" projections (see `_block`).
+      min_matmul_rows: with fewer batch rows than this, the hidden state is zero-padded to this
+        many rows for the whole step (the padding rows never reach the cache or attention):
+        XLA rewrites a single-row product as a multiply-and-reduce pair of fusions, and a few
+        padded rows keep every projection a GEMM. The real rows' results do not depend on the
+        padding. XLA projections only (the Pallas ones mask their rows).
+      linear: "xla" or "pallas" projections (see `_block`). The Pallas kernels read each
+        layer's weights in place from the stacked arrays.
     Returns:
       (float32 [B, V] next-token logits, updated cache).
     """
     batch = tokens.shape[0]
     rows = jnp.arange(batch)
+    padded = max(batch, min_matmul_rows) if linear == "xla" else batch
+    stacked = self._layer_weights()
 
     def body(carry, w, layer):
       x, k_all, v_all = carry
       cache_out = {}
 
       def attend(q, k, v):
-        # k, v [B, 1, K, H] -> cache[layer, b, positions[b]], in place.
+        # q [P, 1, N, H]; k, v [P, 1, K, H]: the real rows [0, B) -> cache[layer, b, positions[b]]
+        q, k, v = q[:batch], k[:batch], v[:batch]
         k_new = k_all.at[layer, rows, positions].set(k[:, 0].astype(k_all.dtype))
         v_new = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
         cache_out["k"], cache_out["v"] = k_new, v_new
         out = decode_attention(q[:, 0], k_new, v_new, positions + 1, sm_scale=self._sm_scale,
                                backend=attention, layer=layer)
-        return out[:, None]
+        # [B, 1, N, H] -> [P, 1, N, H], the padding rows zero
+        return jnp.pad(out[:, None], ((0, padded - batch), (0, 0), (0, 0), (0, 0)))
 
-      x = self._block(x, w, positions[:, None], attend, min_matmul_rows, linear)
+      if linear == "pallas":
+        w, project = stacked, functools.partial(_fused_projection, layer=layer)
+      else:
+        project = xla_projection
+      x = self._block(x, w, padded_positions[:, None], attend, project)
       return x, cache_out["k"], cache_out["v"]
 
-    carry = (self._embed(tokens[:, None], positions[:, None]), cache.k, cache.v)
-    x, k_all, v_all = _over_layers(body, carry, self._layer_weights(), self.config.num_layers,
+    # [P]: the padding rows take position 0 (their values never reach a real row)
+    padded_positions = jnp.pad(positions, (0, padded - batch))
+    x = self._embed(tokens[:, None], positions[:, None])
+    # [B, 1, D] -> [P, 1, D]
+    x = jnp.pad(x, ((0, padded - batch), (0, 0), (0, 0)))
+    x, k_all, v_all = _over_layers(body, (x, cache.k, cache.v), stacked, self.config.num_layers,
                                    layer_loop)
-    return self._lm_head(x[:, 0]), KVCache(k=k_all, v=v_all)
+    return self._lm_head(x[:batch, 0]), KVCache(k=k_all, v=v_all)

@@ -32,11 +32,14 @@ def _model(name, seed=0):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("min_rows, linear", [(1, "xla"), (8, "xla"), (1, "pallas")],
-                         ids=["rows1", "padded-rows8", "fused-pallas"])
-def test_decode_with_cache_matches_full_forward(name, min_rows, linear):
-  """Also with the decode products zero-padded to 8 rows (3 real rows), and with the fused
-  Pallas projections (interpreted on CPU): neither changes the result."""
+@pytest.mark.parametrize("min_rows, linear, layer_loop",
+                         [(1, "xla", "scan"), (8, "xla", "unroll"), (1, "pallas", "scan"),
+                          (1, "pallas", "unroll")],
+                         ids=["rows1", "padded-rows8", "fused-pallas-scan", "fused-pallas-unroll"])
+def test_decode_with_cache_matches_full_forward(name, min_rows, linear, layer_loop):
+  """Also with the decode step's hidden state zero-padded to 8 rows (3 real rows), and with the
+  fused Pallas projections (interpreted on CPU) reading the stacked weights in place, with a
+  traced (scan) or a static (unrolled) layer index: none changes the result."""
   model = _model(name)
   rng = np.random.default_rng(0)
   vocab = model.config.vocab_size
@@ -46,7 +49,8 @@ def test_decode_with_cache_matches_full_forward(name, min_rows, linear):
   # The cache has more rows than the batch: rows past the batch must be ignored.
   cache = init_cache(model.config, batch + 1, cache_len, jnp.float32)
   prefill = jax.jit(lambda t, n, c: model.prefill(t, n, c))
-  decode = jax.jit(lambda t, p, c: model.decode(t, p, c, min_matmul_rows=min_rows, linear=linear))
+  decode = jax.jit(lambda t, p, c: model.decode(t, p, c, min_matmul_rows=min_rows, linear=linear,
+                                                layer_loop=layer_loop))
   logits, cache = prefill(tokens, prompt_lengths, cache)
   sequences = [list(tokens[b, :prompt_lengths[b]]) for b in range(batch)]
   step_logits = [[np.asarray(logits[b])] for b in range(batch)]

@@ -50,12 +50,17 @@ class DecodeAttentionConfig:
     block_k: keys per inner-loop step (a power of two, >= 16 for Triton dots).
     split_size: keys per split-K program (a power of two, a multiple of block_k). It is clamped to
       the cache length rounded up to a power of two, so short caches run as one split.
+    min_programs: when batch x KV heads x splits would give fewer programs than this, the split
+      is halved (down to block_k) until it does not: a few long programs leave most SMs idle
+      and run at load latency (at batch 1 the gpt2 shape has 12 KV heads, the H200 132 SMs).
+      0 keeps `split_size`.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages.
   """
 
   block_k: int = 64
   split_size: int = 512
+  min_programs: int = 128
   num_warps: int = 4
   num_stages: int = 2
 
@@ -71,6 +76,9 @@ class DecodeAttentionConfig:
     if self.split_size % self.block_k:
       raise ValueError(f"DecodeAttentionConfig.split_size ({self.split_size}) must be a multiple "
                        f"of block_k ({self.block_k})")
+    if not isinstance(self.min_programs, int) or self.min_programs < 0:
+      raise ValueError(f"DecodeAttentionConfig.min_programs must be an int >= 0, "
+                       f"got {self.min_programs!r}")
     if not isinstance(self.num_stages, int) or self.num_stages < 1:
       raise ValueError(f"DecodeAttentionConfig.num_stages must be a positive int, "
                        f"got {self.num_stages!r}")
@@ -194,6 +202,21 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *out_refs, sm_sca
   pltriton.store(denom_ref.at[rows], denom, mask=real_rows)
 
 
+def split_layout(batch: int, num_kv_heads: int, cache_len: int,
+                 config: DecodeAttentionConfig) -> tuple[int, int]:
+  """(keys per split, number of splits) for a launch of batch x num_kv_heads x splits programs.
+
+  Short caches run as one split (the split is clamped to the cache length rounded up to a power
+  of two; the last split may reach past T, its loads are masked). With fewer than
+  `config.min_programs` programs the split is halved, down to `config.block_k`.
+  """
+  split_size = min(config.split_size, max(config.block_k, pl.next_power_of_2(cache_len)))
+  while (split_size > config.block_k
+         and batch * num_kv_heads * pl.cdiv(cache_len, split_size) < config.min_programs):
+    split_size //= 2
+  return split_size, pl.cdiv(cache_len, split_size)
+
+
 @functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"))
 def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
                      sm_scale: float | None = None,
@@ -246,9 +269,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
   group = num_q_heads // num_kv_heads
   padded_group = max(MIN_DOT_DIM, pl.next_power_of_2(group))
   block_k = config.block_k
-  # Short caches run as one split; the last split may reach past T (its loads are masked).
-  split_size = min(config.split_size, max(block_k, pl.next_power_of_2(cache_len)))
-  num_splits = pl.cdiv(cache_len, split_size)
+  split_size, num_splits = split_layout(batch, num_kv_heads, cache_len, config)
 
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, cache_len)
   # [B, Hkv, G, D] (a free reshape: the kernel pads G to G_pad with masked loads)

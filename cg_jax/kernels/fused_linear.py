@@ -53,14 +53,26 @@ class FusedLinearConfig:
         raise ValueError(f"FusedLinearConfig.{name} must be a positive int, got {value!r}")
 
 
-def default_config(width: int) -> FusedLinearConfig:
-  """A starting launch config for an output `width`: the widest column block (up to 64) that
-  still gives ~100 programs, so narrow projections spread over the GPU's 132 SMs (a heuristic
-  until `benchmarks/linear_bench.py` has measured the shapes)."""
+# Weight bytes one program loads per reduction step (per pipeline stage): enough loads in
+# flight per SM to cover HBM latency, few enough stages to fit shared memory.
+_STEP_WEIGHT_BYTES = 32 * 1024
+
+
+def default_config(hidden: int, width: int, gated: bool = False,
+                   itemsize: int = 2) -> FusedLinearConfig:
+  """A launch config for a [hidden -> width] projection: the widest column block (up to 64) that
+  still gives ~100 programs, so narrow projections spread over the GPU's 132 SMs; then the
+  longest reduction step (up to 512, dividing `hidden`) whose weight tile stays within 32 KB, so
+  each program streams its slab in a few large loads rather than many latency-bound ones."""
   block_n = 64
   while block_n > MIN_DOT_DIM and width // block_n < 96:
     block_n //= 2
-  return FusedLinearConfig(block_n=block_n)
+  tile_bytes_per_k = block_n * itemsize * (2 if gated else 1)
+  block_k = 512
+  while block_k > MIN_DOT_DIM and (hidden % block_k or block_k * tile_bytes_per_k
+                                   > _STEP_WEIGHT_BYTES):
+    block_k //= 2
+  return FusedLinearConfig(block_n=block_n, block_k=block_k)
 
 
 def _activate(x, activation: str | None):
@@ -73,12 +85,20 @@ def _activate(x, activation: str | None):
   return jax.nn.silu(x)
 
 
-def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden, block_k,
-            padded_rows, out_dtype):
-  """refs: x [R, K], w [K, bn] (and w_up [K, bn] when gated), then the optional norm scale
-  [K] / norm bias [K], bias [bn] (and bias_up), residual [R, bn]; output [R, bn]. Rows are
-  handled as `padded_rows` (a power of two >= 16) with masked loads and stores."""
+def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, stacked, hidden,
+            block_k, padded_rows, out_dtype):
+  """refs: (layer [1] when `stacked`), x [R, K], w [K, bn] (and w_up [K, bn] when gated), then
+  the optional norm scale [K] / norm bias [K], bias [bn] (and bias_up), residual [R, bn];
+  output [R, bn]. With `stacked` the weight refs carry a leading [L] axis, indexed by the layer
+  operand. Rows are handled as `padded_rows` (a power of two >= 16) with masked loads and
+  stores."""
   refs = list(refs)
+  layer = refs.pop(0)[0] if stacked else None
+
+  def weight(ref, *index):
+    """ref[index] of this layer's weights."""
+    return ref[(layer,) + index] if stacked else ref[index]
+
   x_ref, w_ref = refs.pop(0), refs.pop(0)
   w_up_ref = refs.pop(0) if gated else None
   scale_ref = refs.pop(0) if norm else None
@@ -122,12 +142,12 @@ def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden,
     x = load_rows(x_ref, columns)
     if norm == "layer":
       normed = (x.astype(jnp.float32) - mean) * rstd
-      x = (normed * scale_ref[columns].astype(jnp.float32)[None, :]
-           + shift_ref[columns].astype(jnp.float32)[None, :]).astype(dtype)
+      x = (normed * weight(scale_ref, columns).astype(jnp.float32)[None, :]
+           + weight(shift_ref, columns).astype(jnp.float32)[None, :]).astype(dtype)
     elif norm == "rms":
-      x = scale_ref[columns][None, :] * (x.astype(jnp.float32) * rstd).astype(dtype)
+      x = weight(scale_ref, columns)[None, :] * (x.astype(jnp.float32) * rstd).astype(dtype)
     # [R, bn] each
-    out = [acc + jnp.dot(x, w[columns, :], precision=precision,
+    out = [acc + jnp.dot(x, weight(w, columns, slice(None)), precision=precision,
                          preferred_element_type=jnp.float32)
            for acc, w in zip(accumulators, (w_ref, w_up_ref) if gated else (w_ref,))]
     return tuple(out)
@@ -142,12 +162,12 @@ def _kernel(*refs, norm, eps, activation, gated, has_bias, has_residual, hidden,
 
   y = accumulators[0].astype(dtype)
   if has_bias:
-    y = op(jnp.add, y, bias_ref[...][None, :])
+    y = op(jnp.add, y, weight(bias_ref, slice(None))[None, :])
   y = op(functools.partial(_activate, activation=activation), y) if activation else y
   if gated:
     up = accumulators[1].astype(dtype)
     if has_bias:
-      up = op(jnp.add, up, bias_up_ref[...][None, :])
+      up = op(jnp.add, up, weight(bias_up_ref, slice(None))[None, :])
     y = op(jnp.multiply, y, up)
   if has_residual:
     y = op(jnp.add, load_rows(residual_ref, slice(None)), y)
@@ -192,11 +212,19 @@ def _largest_dividing_block(size: int, limit: int) -> int | None:
   return None
 
 
-@functools.partial(jax.jit, static_argnames=("norm", "eps", "activation", "gated", "config",
-                                             "interpret"))
+def _layer_views(layer, w, norm_scale, norm_bias, bias):
+  """Shape-only views of one layer of stacked [L, ...] weights (checked, nothing sliced)."""
+  stacked = [a for a in (w, norm_scale, norm_bias, bias) if a is not None]
+  if w.ndim != 3 or any(a.shape[0] != w.shape[0] for a in stacked):
+    raise ValueError(f"with layer, w must be [L, K, N] and the vectors [L, ...] with the same L; "
+                     f"got {[tuple(a.shape) for a in stacked]}")
+  return [None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+          for a in (w, norm_scale, norm_bias, bias)]
+
+
 def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=None,
                  eps: float = 1e-5, bias=None, activation: str | None = None, gated: bool = False,
-                 residual=None, config: FusedLinearConfig | None = None,
+                 residual=None, layer: int | None = None, config: FusedLinearConfig | None = None,
                  interpret: bool = False):
   """y = residual + act(norm(x) @ w + bias), or with `gated`: act(gate) * up for w = [gate | up].
 
@@ -206,14 +234,34 @@ def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=No
     norm: None, "rms" (norm_scale) or "layer" (norm_scale, norm_bias), over x's K columns.
     bias: [N]; activation: None, "gelu_tanh", "gelu" or "silu"; gated: split w's columns into
       gate and up halves (needs an activation); residual: [R, N or N/2] added last.
-    config: launch settings (default: `default_config` of the output width); interpret: run in
+    layer: an index (a Python int, range-checked, or an int32 scalar, e.g. a scan's layer) into
+      weights stacked over layers: w [L, K, N], norm_scale, norm_bias [L, K], bias [L, N]. The
+      kernel reads that layer in place, so no per-layer slice is copied out before it runs (a
+      custom call cannot fuse the slice as XLA's own ops do), and all layers share one kernel.
+    config: launch settings (default: `default_config` of the shape); interpret: run in
       the Pallas interpreter (CPU tests).
   Returns:
     [R, N] (or [R, N/2] when gated) in x's dtype.
   """
-  width = _check(x, w, norm, norm_scale, norm_bias, bias, activation, gated, residual)
+  if isinstance(layer, int) and not isinstance(layer, bool) and w.ndim == 3 and not (
+      0 <= layer < w.shape[0]):
+    raise ValueError(f"layer must be in [0, {w.shape[0]}), got {layer}")
+  return _fused_linear(x, w, norm=norm, norm_scale=norm_scale, norm_bias=norm_bias, eps=eps,
+                       bias=bias, activation=activation, gated=gated, residual=residual,
+                       layer=layer, config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("norm", "eps", "activation", "gated", "config",
+                                             "interpret"))
+def _fused_linear(x, w, *, norm, norm_scale, norm_bias, eps, bias, activation, gated, residual,
+                  layer, config, interpret):
+  views = (w, norm_scale, norm_bias, bias)
+  if layer is not None:
+    views = _layer_views(layer, *views)
+  width = _check(x, views[0], norm, views[1], views[2], views[3], activation, gated, residual)
   rows, hidden = x.shape
-  config = default_config(width) if config is None else config
+  config = (default_config(hidden, width, gated, x.dtype.itemsize) if config is None
+            else config)
   block_k = _largest_dividing_block(hidden, config.block_k)
   block_n = _largest_dividing_block(width, config.block_n)
   if block_k is None or block_n is None:
@@ -222,29 +270,43 @@ def fused_linear(x, w, *, norm: str | None = None, norm_scale=None, norm_bias=No
   padded_rows = max(MIN_DOT_DIM, pl.next_power_of_2(rows))
   blocks = width // block_n
 
-  operands = [x, w]
-  specs = [pl.BlockSpec((rows, hidden), lambda n: (0, 0)),
-           pl.BlockSpec((hidden, block_n), lambda n: (0, n))]
+  # With `layer`, each weight's block spec spans the whole leading [L] axis; the kernel picks the
+  # layer with the layer operand.
+  if layer is None:
+    def spec(shape, index_map):
+      return pl.BlockSpec(shape, index_map)
+  else:
+    def spec(shape, index_map):
+      return pl.BlockSpec((w.shape[0],) + shape, lambda n: (0,) + index_map(n))
+
+  operands, specs = [], []
+  if layer is not None:
+    operands.append(jnp.asarray(layer, jnp.int32).reshape(1))
+    specs.append(pl.BlockSpec((1,), lambda n: (0,)))
+  operands += [x, w]
+  specs += [pl.BlockSpec((rows, hidden), lambda n: (0, 0)),
+           spec((hidden, block_n), lambda n: (0, n))]
   if gated:
     operands.append(w)
-    specs.append(pl.BlockSpec((hidden, block_n), lambda n: (0, n + blocks)))
+    specs.append(spec((hidden, block_n), lambda n: (0, n + blocks)))
   for vector in (norm_scale, norm_bias):
     if vector is not None:
       operands.append(vector)
-      specs.append(pl.BlockSpec((hidden,), lambda n: (0,)))
+      specs.append(spec((hidden,), lambda n: (0,)))
   if bias is not None:
     operands.append(bias)
-    specs.append(pl.BlockSpec((block_n,), lambda n: (n,)))
+    specs.append(spec((block_n,), lambda n: (n,)))
     if gated:
       operands.append(bias)
-      specs.append(pl.BlockSpec((block_n,), lambda n: (n + blocks,)))
+      specs.append(spec((block_n,), lambda n: (n + blocks,)))
   if residual is not None:
     operands.append(residual)
     specs.append(pl.BlockSpec((rows, block_n), lambda n: (0, n)))
 
   kernel = functools.partial(
       _kernel, norm=norm, eps=eps, activation=activation, gated=gated,
-      has_bias=bias is not None, has_residual=residual is not None, hidden=hidden,
+      has_bias=bias is not None, has_residual=residual is not None, stacked=layer is not None,
+      hidden=hidden,
       block_k=block_k, padded_rows=padded_rows, out_dtype=x.dtype)
   return pl.pallas_call(
       kernel,

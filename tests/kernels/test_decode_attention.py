@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
-                                             decode_attention_reference)
+                                             decode_attention_reference, split_layout)
 from tests.kernels.kernel_test_base import (assert_kernel_close, attention_reference,
                                             lower_for_h200, random_array)
 
-# Small blocks keep interpret mode fast and give several splits per row.
-SMALL_BLOCKS = DecodeAttentionConfig(block_k=16, split_size=32)
+# Small blocks keep interpret mode fast and give several splits per row (min_programs=0: the
+# split sizes as given).
+SMALL_BLOCKS = DecodeAttentionConfig(block_k=16, split_size=32, min_programs=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,8 @@ class Case:
   def __str__(self):
     return (f"{self.dtype}-D{self.head_dim}-Hq{self.num_q_heads}-Hkv{self.num_kv_heads}-"
             f"T{self.cache_len}-len{'_'.join(map(str, self.lengths))}-"
-            f"bk{self.config.block_k}-split{self.config.split_size}")
+            f"bk{self.config.block_k}-split{self.config.split_size}-"
+            f"min{self.config.min_programs}")
 
 
 CASES = [
@@ -47,13 +49,15 @@ CASES = [
     Case("bfloat16", 64, 4, 1, 37, (37, 17, 0)),
     # bfloat16, D 128, GQA 8 on a single KV head, splits of 64.
     Case("bfloat16", 128, 8, 1, 200, (1, 200, 131),
-         config=DecodeAttentionConfig(block_k=16, split_size=64)),
-    # The default config: split clamped to the short cache (one split, block_k 64).
+         config=DecodeAttentionConfig(block_k=16, split_size=64, min_programs=0)),
+    # The default config: few (batch, head) programs, so the split shrinks to block_k (64).
     Case("bfloat16", 64, 8, 2, 100, (100, 33)),
+    # Split clamped to the short cache: one split, block_k 64.
+    Case("bfloat16", 64, 8, 2, 100, (100, 33), config=DecodeAttentionConfig(min_programs=0)),
     # A group of 3 (not a power of two) in one split (normalised in the kernel), with a
     # length-0 row; and the same group over several splits.
     Case("float32", 64, 6, 2, 50, (50, 0, 7),
-         config=DecodeAttentionConfig(block_k=16, split_size=64)),
+         config=DecodeAttentionConfig(block_k=16, split_size=64, min_programs=0)),
     Case("bfloat16", 64, 6, 2, 130, (130, 0, 65)),
 ]
 
@@ -172,6 +176,20 @@ def test_kernel_rejects_unsupported_head_dim_and_dtype():
     decode_attention(*_shapes(dtype=jnp.float16), interpret=True)
 
 
+@pytest.mark.parametrize("batch, kv_heads, cache_len, expected", [
+    (1, 12, 1024, (64, 16)),    # gpt2 shape at batch 1: 12 programs -> 192
+    (1, 8, 1024, (64, 16)),     # llama-3.2-1b shape at batch 1: 8 -> 128
+    (8, 8, 1024, (512, 2)),     # already 128 programs
+    (32, 8, 4096, (512, 8)),
+    (1, 8, 100, (64, 2)),       # short cache
+    (1, 1, 40, (64, 1)),        # never below block_k
+])
+def test_split_layout_spreads_small_launches(batch, kv_heads, cache_len, expected):
+  assert split_layout(batch, kv_heads, cache_len, DecodeAttentionConfig()) == expected
+  assert split_layout(batch, kv_heads, cache_len, DecodeAttentionConfig(min_programs=0))[0] == \
+      min(512, max(64, 1 << (cache_len - 1).bit_length()))
+
+
 @pytest.mark.parametrize("fields, name", [
     (dict(block_k=24), "block_k"),
     (dict(block_k=8, split_size=64), "block_k"),
@@ -179,6 +197,7 @@ def test_kernel_rejects_unsupported_head_dim_and_dtype():
     (dict(block_k=128, split_size=64), "split_size"),
     (dict(num_warps=3), "num_warps"),
     (dict(num_stages=0), "num_stages"),
+    (dict(min_programs=-1), "min_programs"),
 ])
 def test_config_validation(fields, name):
   with pytest.raises(ValueError, match=name):
@@ -194,7 +213,7 @@ def test_stacked_cache_with_layer_reads_that_layer_in_place(dtype):
   k = random_array(rng, (layers, rows, cache_len, kv_heads, head_dim), dtype)
   v = random_array(rng, (layers, rows, cache_len, kv_heads, head_dim), dtype)
   lengths = jnp.asarray([70, 33], jnp.int32)
-  config = DecodeAttentionConfig(block_k=16, split_size=32)
+  config = DecodeAttentionConfig(block_k=16, split_size=32, min_programs=0)
   stacked = decode_attention(q, k, v, lengths, layer=1, config=config, interpret=True)
   sliced = decode_attention(q, k[1, :batch], v[1, :batch], lengths, config=config, interpret=True)
   np.testing.assert_array_equal(np.asarray(stacked), np.asarray(sliced))

@@ -129,6 +129,30 @@ def test_layer_norm_of_offset_rows_is_accurate(offset):
     assert kernel_error <= 1e-5 * scale
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_stacked_weights_with_layer_read_that_layer_in_place(family):
+  """w [L, K, N] and vectors [L, ...] with a static layer equal the call on that layer's slices."""
+  rng = np.random.default_rng(5)
+  layers, rows, hidden, width = 3, 2, 64, 96
+  x = random_array(rng, (rows, hidden), "float32")
+  w = random_array(rng, (layers, hidden, width), "float32") / 8
+  options = (dict(norm="layer", activation="gelu_tanh") if family == "gpt2"
+             else dict(norm="rms", activation="silu", gated=True))
+  stacked = dict(norm_scale=random_array(rng, (layers, hidden), "float32"))
+  if family == "gpt2":
+    stacked["norm_bias"] = random_array(rng, (layers, hidden), "float32")
+    stacked["bias"] = random_array(rng, (layers, width), "float32")
+  for layer in range(layers):
+    sliced = {name: value[layer] for name, value in stacked.items()}
+    expected = fused_linear(x, w[layer], config=SMALL, interpret=True, **options, **sliced)
+    got = fused_linear(x, w, layer=layer, config=SMALL, interpret=True, **options, **stacked)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  with pytest.raises(ValueError, match="layer must be in"):
+    fused_linear(x, w, layer=3, interpret=True, **options, **stacked)
+  with pytest.raises(ValueError, match="same L"):
+    fused_linear(x, w[:2], layer=0, interpret=True, **options, **stacked)
+
+
 def test_padded_rows_do_not_change_real_rows():
   """Row r of a 3-row call equals the same row computed alone (rows are independent)."""
   case = Case(3, 64, 48, norm="rms", bias=True, residual=True)
@@ -186,10 +210,17 @@ def test_bad_arguments(change, error, match):
     fused_linear(x, w, interpret=True, **arguments)
 
 
-@pytest.mark.parametrize("width, block_n", [(768, 16), (2304, 16), (3072, 32), (8192, 64),
-                                            (48, 16)])
-def test_default_config_spreads_narrow_outputs(width, block_n):
-  assert default_config(width).block_n == block_n
+@pytest.mark.parametrize("hidden, width, gated, expected", [
+    (768, 2304, False, (16, 256)),    # gpt2 QKV: 144 programs; K = 3 x 256
+    (768, 768, False, (16, 256)),     # gpt2 out projection
+    (3072, 768, False, (16, 512)),    # gpt2 MLP out: six 16 KB steps
+    (2048, 8192, True, (64, 128)),    # llama-3.2-1b SwiGLU: gate + up tiles of 16 KB each
+    (8192, 2048, False, (16, 512)),   # llama-3.2-1b MLP out
+    (64, 48, False, (16, 64)),
+])
+def test_default_config_spreads_narrow_outputs(hidden, width, gated, expected):
+  config = default_config(hidden, width, gated)
+  assert (config.block_n, config.block_k) == expected
 
 
 def test_config_validation():
