@@ -14,6 +14,7 @@
 #   linear         decode projections in-graph: fused Pallas kernel against XLA
 #   matmul-rows    the step with XLA products on 1, 8 or 16 rows, and with fused Pallas ones
 #   graphs-all     every graph mode x model x batch with Pallas attention
+#   graphs-final   off/xla-default on gpt2, full on every model at batch 1, 8, 32
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
@@ -76,6 +77,13 @@ if has graphs-all; then  # every mode, with the idle-queue dispatch column (issu
   run graphs-all 420 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,gpt2-large,llama-3.2-1b --modes off,xla-default,full --layer-loops unroll \
     --batches 1,8 --traces none
+fi
+if has graphs-final; then  # the other modes on gpt2, then full mode on every model and batch
+  run graphs-modes 150 python3 benchmarks/graphs_bench.py --attention pallas --models gpt2 \
+    --modes off,xla-default --layer-loops unroll --batches 1,8 --traces none --ttft-len 0
+  run graphs-full 300 python3 benchmarks/graphs_bench.py --attention pallas \
+    --models gpt2,gpt2-large,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8,32 \
+    --traces gpt2,llama-3.2-1b --loop-batches 1
 fi
 if has attention-decode; then
   run attention-decode 150 python3 benchmarks/attention_bench.py --parts decode

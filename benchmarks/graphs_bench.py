@@ -48,7 +48,7 @@ def main():
   parser.add_argument("--loop-batches", default="1",
                       help="batches that time the device loop ('none': no loop timing)")
   parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
-  parser.add_argument("--matmul-rows", default="1",
+  parser.add_argument("--matmul-rows", default="8",
                       help="comma list of Engine(min_matmul_rows=...) values to compare")
   parser.add_argument("--ttft-len", type=int, default=512,
                       help="prompt length of the time-to-first-token rows (0: not measured)")

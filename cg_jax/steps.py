@@ -83,7 +83,7 @@ class StepFunctions:
   attention: str
   layer_loop: str
   loop_steps: int
-  min_matmul_rows: int = 1
+  min_matmul_rows: int = 8
   linear: str = "xla"
 
   @property

@@ -266,10 +266,13 @@ def test_bad_engine_options(options, match):
 
 
 def test_padded_matmul_rows_give_the_same_tokens(engine):
-  """min_matmul_rows pads the decode products (host loop and device loop) without changing
-  a token."""
+  """min_matmul_rows pads the decode step's rows (host loop and device loop) without changing
+  a token: unpadded (1) against the default (8) and 16."""
   prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-  expected = engine.generate(prompts, max_new_tokens=12, eos_token_id=[])
+  assert engine.stats()["min_matmul_rows"] == 8
+  expected = engine.with_options(min_matmul_rows=1).generate(prompts, max_new_tokens=12,
+                                                             eos_token_id=[])
+  assert engine.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
   padded = engine.with_options(min_matmul_rows=16)
   assert padded.stats()["min_matmul_rows"] == 16
   assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
