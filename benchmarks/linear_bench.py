@@ -137,6 +137,15 @@ def main():
   def per_layer_us(fn, *args):
     return median_call_us(fn, *args, **calls) / layers
 
+  def candidate_us(fn, *args):
+    """per_layer_us, or inf for a launch config the GPU cannot take (e.g. too much shared
+    memory for its pipeline stages)."""
+    try:
+      return per_layer_us(fn, *args)
+    except jax.errors.JaxRuntimeError as error:
+      print(f"  config skipped: {str(error).splitlines()[0][:120]}")
+      return float("inf")
+
   rows = []
   for model in models.split(","):
     for label, hidden, width, spec in projections(model):
@@ -151,7 +160,7 @@ def main():
         configs = candidate_configs(hidden, width // 2 if static.get("gated") else width,
                                     static.get("gated", False))[:1 if args.smoke else None]
         us, config, fused = fastest(((config, bind(fused_project(config, interpret)))
-                                     for config in configs), per_layer_us, x, w, options)
+                                     for config in configs), candidate_us, x, w, options)
         default_us = (us if config == configs[0]
                       else per_layer_us(bind(fused_project(configs[0], interpret)), x, w, options))
         x16 = jnp.pad(x, ((0, max(0, 16 - batch)), (0, 0)))

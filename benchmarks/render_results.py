@@ -5,7 +5,7 @@ and the cg_jax-against-PyTorch comparison as a table and a PNG plot.
   python benchmarks/render_results.py io benchmarks/results/io_h200.json
   python benchmarks/render_results.py dispatch benchmarks/results/dispatch_h200.json
   python benchmarks/render_results.py comparison benchmarks/results/baselines_h200.json \\
-      benchmarks/results/graphs_h200.json benchmarks/results/graphs_pallas_h200.json
+      benchmarks/results/graphs_h200.json benchmarks/results/graphs_xla_attention_h200.json
 
 Each writes <first json without .json>.md (comparison: comparison_h200.md and .png).
 """
@@ -26,7 +26,8 @@ def _fmt(value, digits=1) -> str:
 def _header(rows: list[dict], title: str) -> list[str]:
   first = rows[0]
   commits = sorted({str(r.get("commit")) for r in rows})
-  return [f"# {title} ({first.get('gpu')}, jax {first.get('jax_version', '-')}, "
+  jax_version = next((r["jax_version"] for r in rows if r.get("jax_version")), "-")
+  return [f"# {title} ({first.get('gpu')}, jax {jax_version}, "
           f"commit {', '.join(commits)}, {first.get('date')})", ""]
 
 
@@ -87,7 +88,8 @@ def io(rows: list[dict]) -> list[str]:
                  f"{r['stream_token_us']:.1f} us/token vs step {r['step_us']:.1f} us = "
                  f"{r['stream_over_step']:.3f}x |")
     elif r["kind"] == "swap_overlap":
-      out.append(f"| swap overlapped with decode | {r['swap_model']} cache swapped out (thread) "
+      pool = f", {r['pinned_pool']} pinned pool" if r.get("pinned_pool") else ""
+      out.append(f"| swap overlapped with decode | {r['swap_model']} cache swapped out (thread{pool}) "
                  f"while {r['model']} B={r['batch']} decodes | step {r['step_us']:.1f} us alone, "
                  f"{r['step_during_swap_us']:.1f} us during the swap; copies {r['memcpy_us']:.0f} "
                  f"us, {100 * r['overlap_share']:.1f}% of it overlapping kernels (profile) |")

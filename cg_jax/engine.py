@@ -141,7 +141,7 @@ class Engine:
     min_matmul_rows: decode steps with fewer batch rows run their layers on the hidden state
       zero-padded to this many rows (1 = no padding), so XLA emits GEMMs instead of its
       single-row multiply-and-reduce rewrite. Results are unchanged. Default 8, measured on the
-      H200 at batch 1 (benchmarks/results/graphs_h200.md): gpt2 647 -> 393 us, llama-3.2-1b
+      H200 at batch 1 (benchmarks/results/projections_h200.md): gpt2 647 -> 393 us, llama-3.2-1b
       1429 -> 1032 us per step (16 rows: 374 and 1063 us).
     linear: "xla" (default) or "pallas": in decode steps each projection with its norm, bias,
       activation and residual runs as one fused Pallas kernel (`cg_jax.kernels.fused_linear`;

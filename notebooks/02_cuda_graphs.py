@@ -42,9 +42,13 @@ for r in rows:
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 3))
-labels = [f"{r['model']}\nB={r['batch']}" for r in rows if r["mode"] == "off"]
+# The (model, batch) cells measured in every mode.
+step = {(r["model"], r["batch"], r["mode"]): r["step_us"] for r in rows}
+cells = [(r["model"], r["batch"]) for r in rows if r["mode"] == "off"
+         and all((r["model"], r["batch"], mode) in step for mode in GRAPH_MODES)]
+labels = [f"{model}\nB={batch}" for model, batch in cells]
 for offset, mode in enumerate(GRAPH_MODES):
-  steps = [r["step_us"] for r in rows if r["mode"] == mode]
+  steps = [step[(model, batch, mode)] for model, batch in cells]
   ax.bar([i + 0.27 * offset for i in range(len(steps))], steps, width=0.27, label=mode)
 ax.set_xticks([i + 0.27 for i in range(len(labels))], labels, fontsize=7)
 ax.set_ylabel("decode step (us)")
