@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import os
 
 import jax

@@ -24,6 +24,7 @@ from cg_jax import compile_stats, graphs as graph_modes, host_io, text, validati
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.hub import resolve_model
 from cg_jax.sampling import SamplingArrays
+from cg_jax.sharding import TensorParallel, check_tensor_parallel, from_shard_major, to_shard_major
 from cg_jax.steps import LoopState, SplitModel, StepFunctions
 from models import hf
 from models.attention import check_backend, default_backend as default_attention
@@ -48,6 +49,7 @@ class EngineConfig:
   readback_lag: steps launched ahead of the one whose tokens the host reads (0: synchronous).
   min_matmul_rows: decode steps pad the layers' products to at least this many rows.
   linear: decode steps' projections, "xla" or "pallas" (fused norm/matmul/epilogue kernels).
+  tensor_parallel: devices the model is split over (`cg_jax.sharding`).
   compiler_options: XLA options applied to every executable (the graph mode's, plus extras).
   """
 
@@ -60,6 +62,7 @@ class EngineConfig:
   readback_lag: int = 2
   min_matmul_rows: int = 8
   linear: str = "xla"
+  tensor_parallel: int = 1
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
@@ -146,6 +149,11 @@ class Engine:
     linear: "xla" (default) or "pallas": in decode steps each projection with its norm, bias,
       activation and residual runs as one fused Pallas kernel (`cg_jax.kernels.fused_linear`;
       interpreted off the GPU). Needs 16-aligned widths.
+    tensor_parallel: split the model over this many devices (Megatron style over a 1-D mesh,
+      `cg_jax.sharding`): heads and MLP columns per device, one all-reduce per row-parallel
+      projection, the KV cache split by KV head. It must divide the heads, KV heads and MLP
+      width; needs linear="xla". Everything else (buckets, graphs, sampling, streaming,
+      swapping) is unchanged.
     compiler_options: extra XLA options for every executable, on top of the graph mode's.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off.
@@ -159,7 +167,8 @@ class Engine:
                prompt_buckets: Sequence[int] | None = None, attention: str | None = None,
                layer_loop: str | None = None, graphs: str = "xla-default",
                decode_loop_steps: int = 16, readback_lag: int = 2, min_matmul_rows: int = 8,
-               linear: str = "xla", compiler_options: Mapping[str, Any] | None = None,
+               linear: str = "xla", tensor_parallel: int = 1,
+               compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):
     self.model_config = config
@@ -192,11 +201,13 @@ class Engine:
         or not 1 <= min_matmul_rows <= 64):
       raise ValueError(f"min_matmul_rows must be an int in [1, 64], got {min_matmul_rows!r}")
     check_linear_backend(config, linear)
+    check_tensor_parallel(config, tensor_parallel, linear)
     self.config = EngineConfig(
         max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
         graphs=graphs, decode_loop_steps=decode_loop_steps, readback_lag=readback_lag,
-        min_matmul_rows=min_matmul_rows, linear=linear,
+        min_matmul_rows=min_matmul_rows, linear=linear, tensor_parallel=tensor_parallel,
         compiler_options=tuple(sorted(options.items())))
+    self._parallel = TensorParallel.over(tensor_parallel) if tensor_parallel > 1 else None
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
 
@@ -213,17 +224,31 @@ class Engine:
       if tuple(weights[name].shape) != tuple(spec.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, "
                          f"expected {tuple(spec.shape)}")
-    device_weights = {n: jax.device_put(jnp.asarray(w, dtype=self.dtype)) for n, w in weights.items()}
+    if self._parallel is None:
+      device_weights = {n: jax.device_put(jnp.asarray(w, dtype=self.dtype))
+                        for n, w in weights.items()}
+    else:
+      weights = to_shard_major(config, {n: np.asarray(w) for n, w in weights.items()},
+                               tensor_parallel)
+      device_weights = {n: jax.device_put(np.asarray(w).astype(self.dtype),
+                                          self._parallel.weight(n))
+                        for n, w in weights.items()}
     nnx.replace_by_pure_dict(state, device_weights)
     self._split = SplitModel.from_state(graphdef, state)
+    mesh = None if self._parallel is None else self._parallel.mesh
     self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps,
-                                min_matmul_rows, linear)
+                                min_matmul_rows, linear, mesh)
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
     self._cache: KVCache | None = None
     self._host_cache: KVCache | None = None  # the cache while swapped out to pinned host memory
-    self._device = jax.devices()[0]
-    self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(t, attention=attention))
+    # Where request inputs go and where the cache lives (and returns to after a swap).
+    if self._parallel is None:
+      self._inputs_at = self._cache_at = jax.devices()[0]
+    else:
+      self._inputs_at, self._cache_at = self._parallel.replicated(), self._parallel.cache()
+    self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(t, attention=attention,
+                                                                       mesh=mesh))
     self._lock = threading.RLock()
     self._compiles_at_warmup: int | None = None
 
@@ -251,8 +276,12 @@ class Engine:
                **engine_options)
 
   def weights(self) -> dict[str, jax.Array]:
-    """The device weights as {weight kind: array} (shared, not copied)."""
-    return nnx.to_pure_dict(jax.tree.unflatten(self._split.treedef, self._split.weights))
+    """The device weights as {weight kind: array} (shared, not copied; with tensor_parallel > 1,
+    copies in the canonical column layout)."""
+    weights = nnx.to_pure_dict(jax.tree.unflatten(self._split.treedef, self._split.weights))
+    if self._parallel is not None:
+      weights = from_shard_major(self.model_config, weights, self._parallel.size)
+    return weights
 
   def with_options(self, **engine_options) -> "Engine":
     """A new engine over the same device weights with other engine options (e.g. another graph
@@ -265,6 +294,7 @@ class Engine:
                    graphs=self.config.graphs, decode_loop_steps=self.config.decode_loop_steps,
                    readback_lag=self.config.readback_lag,
                    min_matmul_rows=self.config.min_matmul_rows, linear=self.config.linear,
+                   tensor_parallel=self.config.tensor_parallel,
                    compiler_options=self._extra_compiler_options)
     options.update(engine_options)
     engine = Engine(self.model_config, self.weights(), **options)
@@ -279,6 +309,9 @@ class Engine:
     kv = cache_bytes(config, engine.buckets.max_batch, engine.max_seq_len, self.dtype)
     weights = config.num_parameters() * self.dtype.itemsize
     limit = limit if limit is not None else _device_memory_bytes(jax.devices()[0])
+    # Per device: the split weights and cache (replicated weights counted whole would be a
+    # little more; embeddings and norms are small next to the projections).
+    kv, weights = kv // engine.tensor_parallel, weights // engine.tensor_parallel
     if limit is not None and kv + weights > limit:
       gib = 2**30
       raise ValueError(
@@ -297,31 +330,51 @@ class Engine:
     cache = KVCache(k=jax.ShapeDtypeStruct(shape, self.dtype), v=jax.ShapeDtypeStruct(shape, self.dtype))
     return weights, cache
 
+  def _jit(self, fn, donate_argnums=(), inputs=None, outputs=None):
+    """jax.jit of a step. With tensor parallelism, `inputs` / `outputs` name each argument's /
+    result's placement ("weights", "cache", or "replicated" for request arrays and tokens), so
+    every executable takes and returns the same shardings and donation keeps the cache in place.
+    """
+    if self._parallel is None:
+      return jax.jit(fn, donate_argnums=donate_argnums)
+    placement = {"weights": [w.sharding for w in self._split.weights],
+                 "cache": KVCache(k=self._parallel.cache(), v=self._parallel.cache()),
+                 "replicated": self._parallel.replicated()}
+    pick = lambda names: tuple(placement[n] for n in names)  # noqa: E731
+    outs = pick(outputs) if isinstance(outputs, tuple) else placement[outputs]
+    return jax.jit(fn, donate_argnums=donate_argnums, in_shardings=pick(inputs or ()),
+                   out_shardings=outs)
+
   def _lower(self, key: tuple):
     """Lower one executable: key = (phase, batch bucket, length bucket or greedy flag)."""
     phase = key[0]
     steps, (weights, cache) = self._steps, self._specs()
     vocab = self.model_config.vocab_size
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    rep, state = "replicated", ("weights", "cache")
     if phase == "cache":
       c, e = self.model_config, self.config
-      return jax.jit(lambda: init_cache(c, e.buckets.max_batch, e.max_seq_len, self.dtype)).lower()
+      return self._jit(lambda: init_cache(c, e.buckets.max_batch, e.max_seq_len, self.dtype),
+                       outputs="cache").lower()
     _, batch, extra = key
     if phase == "prefill":
-      return jax.jit(steps.prefill, donate_argnums=(1,)).lower(weights, cache, i32(batch, extra),
-                                                               i32(batch))
+      return self._jit(steps.prefill, (1,), state + (rep, rep), (rep, "cache")).lower(
+          weights, cache, i32(batch, extra), i32(batch))
     sampling = None if extra else SamplingArrays.spec(batch)
     if phase == "first":
       logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
-      return jax.jit(steps.first_token).lower(logits, i32(batch), sampling)
+      return self._jit(steps.first_token, (), (rep, rep, rep), rep).lower(
+          logits, i32(batch), sampling)
     # The decode state (cache, tokens, positions) is donated, so each output reuses its input's
     # buffer and keeps its address from step to step. (XLA still re-records the graph commands
     # that touch the fresh `emitted` output and temporaries: benchmarks/results/dispatch_h200.md.)
     if phase == "decode":
-      return jax.jit(steps.decode, donate_argnums=(1, 2, 3)).lower(weights, cache, i32(batch),
-                                                                   i32(batch), sampling)
+      return self._jit(steps.decode, (1, 2, 3), state + (rep, rep, rep),
+                       (rep, rep, rep, "cache")).lower(weights, cache, i32(batch), i32(batch),
+                                                       sampling)
     if phase == "loop":
-      return jax.jit(steps.decode_loop, donate_argnums=(1, 2)).lower(
+      return self._jit(steps.decode_loop, (1, 2), state + (rep, rep, rep),
+                       (rep, rep, "cache")).lower(
           weights, cache, LoopState.spec(batch), i32(validation.MAX_EOS_IDS), sampling)
     raise KeyError(key)
 
@@ -400,6 +453,7 @@ class Engine:
         "readback_lag": self.config.readback_lag,
         "min_matmul_rows": self.config.min_matmul_rows,
         "linear": self.config.linear,
+        "tensor_parallel": self.config.tensor_parallel,
         "compiler_options": dict(self.config.compiler_options),
         "max_seq_len": self.config.max_seq_len,
         "batch_buckets": self.config.buckets.batch_sizes,
@@ -562,7 +616,7 @@ class Engine:
           batch, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
           seed=settings.seed, rows=np.arange(row_start, row_stop))
     staged_tokens, staged_lengths, staged_sampling = host_io.stage(
-        (tokens, lengths, sampling), self._device)
+        (tokens, lengths, sampling), self._inputs_at)
     return _Batch(row_start=row_start, real=real, batch=batch, length=length,
                   tokens=staged_tokens, lengths=staged_lengths,
                   sampling=staged_sampling)
@@ -638,7 +692,7 @@ class Engine:
     with self._lock:
       if self._cache is None or self._host_cache is not None:
         return
-      self._host_cache = host_io.to_host(self._cache, self._device)
+      self._host_cache = host_io.to_host(self._cache, self._cache_at)
       jax.block_until_ready(self._host_cache)
       for array in (self._cache.k, self._cache.v):
         array.delete()
@@ -649,7 +703,7 @@ class Engine:
     with self._lock:
       if self._host_cache is None:
         return
-      self._cache = host_io.to_device(self._host_cache, self._device)
+      self._cache = host_io.to_device(self._host_cache, self._cache_at)
       self._host_cache = None
 
   @property

@@ -15,33 +15,40 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Sharding, SingleDeviceSharding
 
 PINNED_HOST = "pinned_host"
 
 
-def pinned_host(device) -> SingleDeviceSharding:
-  """Page-locked host memory of `device` (DMA-able, so transfers are asynchronous)."""
-  return SingleDeviceSharding(device, memory_kind=PINNED_HOST)
+def _placement(where) -> Sharding:
+  """A device (one-device placement) or a sharding (e.g. replicated over a tensor-parallel
+  mesh) as a sharding."""
+  return where if isinstance(where, Sharding) else SingleDeviceSharding(where)
 
 
-def on_device(device) -> SingleDeviceSharding:
-  return SingleDeviceSharding(device, memory_kind="device")
+def pinned_host(where) -> Sharding:
+  """Page-locked host memory of a device or sharding (DMA-able: transfers are asynchronous)."""
+  return _placement(where).with_memory_kind(PINNED_HOST)
 
 
-def stage(tree: Any, device) -> Any:
-  """Host arrays -> pinned host buffers -> device buffers; both copies are asynchronous."""
-  return jax.device_put(jax.device_put(tree, pinned_host(device)), on_device(device))
+def on_device(where) -> Sharding:
+  return _placement(where).with_memory_kind("device")
 
 
-def to_host(tree: Any, device) -> Any:
+def stage(tree: Any, where) -> Any:
+  """Host arrays -> pinned host buffers -> device buffers; both copies are asynchronous.
+  `where`: a device, or a sharding for the device copies."""
+  return jax.device_put(jax.device_put(tree, pinned_host(where)), on_device(where))
+
+
+def to_host(tree: Any, where) -> Any:
   """Copy a device pytree to pinned host memory (the caller drops the device copy)."""
-  return jax.device_put(tree, pinned_host(device))
+  return jax.device_put(tree, pinned_host(where))
 
 
-def to_device(tree: Any, device) -> Any:
+def to_device(tree: Any, where) -> Any:
   """Copy a pinned-host pytree back to device memory."""
-  return jax.device_put(tree, on_device(device))
+  return jax.device_put(tree, on_device(where))
 
 
 class AsyncReader:

@@ -77,6 +77,7 @@ class StepFunctions:
     loop_steps: K, tokens generated per device-loop call.
     min_matmul_rows: decode steps run the layers' products on at least this many rows.
     linear: decode steps' projections, "xla" or "pallas" (fused kernels).
+    mesh: the tensor-parallel mesh (`cg_jax.sharding`), or None on one device.
   """
 
   split: SplitModel
@@ -85,15 +86,17 @@ class StepFunctions:
   loop_steps: int
   min_matmul_rows: int = 8
   linear: str = "xla"
+  mesh: Any = None
 
   @property
   def _model_options(self):
     return {"attention": self.attention, "layer_loop": self.layer_loop,
-            "min_matmul_rows": self.min_matmul_rows, "linear": self.linear}
+            "min_matmul_rows": self.min_matmul_rows, "linear": self.linear, "mesh": self.mesh}
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)
-    return model.prefill(tokens, lengths, cache, attention=self.attention, layer_loop="scan")
+    return model.prefill(tokens, lengths, cache, attention=self.attention, layer_loop="scan",
+                         mesh=self.mesh)
 
   @staticmethod
   def first_token(logits, positions, sampling: SamplingArrays | None):

@@ -17,6 +17,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 Backend = Literal["xla", "pallas"]
 BACKENDS: tuple[str, ...] = ("xla", "pallas")
@@ -63,7 +64,7 @@ def _softmax_attention(q, k, v, mask, sm_scale):
   return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
 
 
-def prefill_attention(q, k, v, lengths, *, sm_scale: float, backend: Backend = "xla"):
+def prefill_attention(q, k, v, lengths, *, sm_scale: float, backend: Backend = "xla", mesh=None):
   """Causal attention over right-padded sequences.
 
   Args:
@@ -74,8 +75,13 @@ def prefill_attention(q, k, v, lengths, *, sm_scale: float, backend: Backend = "
   if backend == "pallas":
     from cg_jax.kernels.flash_attention import flash_attention
 
-    return flash_attention(q, k, v, lengths, causal=True, sm_scale=sm_scale,
-                           interpret=interpret_pallas())
+    def kernel(q, k, v, lengths):
+      return flash_attention(q, k, v, lengths, causal=True, sm_scale=sm_scale,
+                             interpret=interpret_pallas())
+    if mesh is not None:
+      heads = _heads(mesh, 4, 2)
+      kernel = _over_head_shards(kernel, mesh, (heads, heads, heads, P()), heads)
+    return kernel(q, k, v, lengths)
   seq_len = q.shape[1]
   positions = jnp.arange(seq_len)
   # [B, S(query), S(key)]
@@ -84,8 +90,21 @@ def prefill_attention(q, k, v, lengths, *, sm_scale: float, backend: Backend = "
   return _softmax_attention(q, k, v, causal & valid_key, sm_scale)
 
 
+def _over_head_shards(kernel, mesh, in_specs, out_spec):
+  """`kernel` run per device on its heads (a Pallas call is opaque to XLA's SPMD partitioner,
+  which would otherwise gather every head onto each device)."""
+  return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)
+
+
+def _heads(mesh, rank: int, head_axis: int) -> P:
+  """The partition spec of a rank-`rank` array split over the mesh's axis along `head_axis`."""
+  spec = [None] * rank
+  spec[head_axis] = mesh.axis_names[0]
+  return P(*spec)
+
+
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: Backend = "xla",
-                     layer=None):
+                     layer=None, mesh=None):
   """One query token per sequence against the first `lengths[b]` cache entries.
 
   Args:
@@ -94,6 +113,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
       lengths: int32 [B] (>= 1 for real rows).
     layer: None, a Python int (the Pallas kernel then reads the stacked cache in place) or a
       traced index (the layer is sliced out first).
+    mesh: a 1-D tensor-parallel mesh over which q's and the cache's heads are split (the
+      Pallas kernel then runs per device on its heads); None on one device.
   Returns:
     [B, Hq, D].
   """
@@ -103,8 +124,14 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
   if backend == "pallas":
     from cg_jax.kernels.decode_attention import decode_attention as decode_kernel
 
-    return decode_kernel(q, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
-                         interpret=interpret_pallas())
+    def kernel(q, k_cache, v_cache, lengths):
+      return decode_kernel(q, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
+                           interpret=interpret_pallas())
+    if mesh is not None:
+      cache_spec = _heads(mesh, k_cache.ndim, k_cache.ndim - 2)
+      kernel = _over_head_shards(kernel, mesh, (_heads(mesh, 3, 1), cache_spec, cache_spec, P()),
+                                 _heads(mesh, 3, 1))
+    return kernel(q, k_cache, v_cache, lengths)
   cache_len = k_cache.shape[1]
   # [B, 1, T]
   mask = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, None, :]

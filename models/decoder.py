@@ -124,16 +124,21 @@ def _norm(x, scale, bias, eps: float):
 
 
 def xla_projection(x, w, *, norm=None, norm_scale=None, norm_bias=None, eps=1e-5, bias=None,
-                    activation=None, gated=False, residual=None):
-  """residual + act(norm(x) @ w + bias) (act(gate) * up when gated), x [R, I], as XLA ops."""
+                   activation=None, gated=False, residual=None, shards: int = 1):
+  """residual + act(norm(x) @ w + bias) (act(gate) * up when gated), x [R, I], as XLA ops.
+
+  With `shards` > 1 a gated w's columns are shard-major, [gate_0 | up_0 | gate_1 | up_1 | ...]
+  (`cg_jax.sharding`); 1 is the plain [gate | up]."""
   if norm is not None:
     x = _norm(x, norm_scale, norm_bias if norm == "layer" else None, eps)
   y = _matmul(x, w)
   if bias is not None:
     y = y + bias
   if gated:
-    gate, up = jnp.split(y, 2, axis=-1)
-    y = _ACTIVATIONS[activation](gate) * up
+    # [R, shards, 2, F / shards]
+    parts = y.reshape(*y.shape[:-1], shards, 2, -1)
+    y = (_ACTIVATIONS[activation](parts[..., 0, :]) * parts[..., 1, :]).reshape(
+        *y.shape[:-1], -1)
   elif activation is not None:
     y = _ACTIVATIONS[activation](y)
   return y if residual is None else residual + y
@@ -163,6 +168,11 @@ def check_linear_backend(config: DecoderConfig, linear: str) -> None:
 
 
 LAYER_LOOPS = ("scan", "unroll")
+
+
+def _shards(mesh) -> int:
+  """Devices of a tensor-parallel mesh (1 without one)."""
+  return 1 if mesh is None else mesh.devices.size
 
 
 def _over_layers(body, carry, weights, num_layers: int, layer_loop: str):
@@ -261,8 +271,11 @@ class Decoder(nnx.Module):
     precision = jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None
     return jnp.matmul(x, head, precision=precision, preferred_element_type=jnp.float32)
 
-  def _block(self, x, w, positions, attend, project=xla_projection):
+  def _block(self, x, w, positions, attend, project=xla_projection, shards: int = 1):
     """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H].
+
+    `shards` > 1: the QKV and gated MLP-in columns are shard-major (`cg_jax.sharding`), each of
+    the `shards` column groups holding its own heads' [q | k | v] (and [gate | up]).
 
     The four projections (norm + QKV, output + residual, norm + MLP in + activation, MLP out +
     residual) run through `project(x, w[kind], **options)`: `xla_projection` (plain XLA ops) or
@@ -279,9 +292,12 @@ class Decoder(nnx.Module):
     qkv = project(flat, w["qkv_kernel"], norm=norm, norm_scale=w["attn_norm_scale"],
                   norm_bias=w.get("attn_norm_bias"), eps=c.norm_eps, bias=w.get("qkv_bias"))
     q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q = qkv[:, :q_width].reshape(batch, seq, c.num_heads, c.head_dim)
-    k = qkv[:, q_width:q_width + kv_width].reshape(batch, seq, c.num_kv_heads, c.head_dim)
-    v = qkv[:, q_width + kv_width:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    # [B*S, shards, per-shard [q | k | v] columns]
+    qkv = qkv.reshape(rows, shards, -1)
+    q_part, kv_part = q_width // shards, kv_width // shards
+    q = qkv[..., :q_part].reshape(batch, seq, c.num_heads, c.head_dim)
+    k = qkv[..., q_part:q_part + kv_part].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    v = qkv[..., q_part + kv_part:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
     if c.uses_rope:
       inv_freq = jnp.asarray(rope_inverse_frequencies(c))
       q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
@@ -290,7 +306,8 @@ class Decoder(nnx.Module):
     # [B*S, F]: act(h W + b), or act(gate) * up for the gated (SwiGLU) MLP
     mlp = project(flat, w["mlp_in_kernel"], norm=norm, norm_scale=w["mlp_norm_scale"],
                   norm_bias=w.get("mlp_norm_bias"), eps=c.norm_eps, bias=w.get("mlp_in_bias"),
-                  activation=c.activation, gated=c.gated_mlp)
+                  activation=c.activation, gated=c.gated_mlp,
+                  **({"shards": shards} if shards > 1 else {}))
     flat = project(mlp, w["mlp_out_kernel"], bias=w.get("mlp_out_bias"), residual=flat)
     return flat.reshape(batch, seq, hidden)
 
@@ -301,8 +318,8 @@ class Decoder(nnx.Module):
   # ----------------------------------------------------------------------------------------------
   # Forward paths
 
-  def logits(self, tokens, *, attention: Backend = "xla", layer_loop: str = "scan"):
-    """Full-sequence logits without cache.
+  def logits(self, tokens, *, attention: Backend = "xla", layer_loop: str = "scan", mesh=None):
+    """Full-sequence logits without cache. (`mesh`: see `decode`.)
 
     Args:
       tokens: int32 [B, S].
@@ -314,18 +331,20 @@ class Decoder(nnx.Module):
     lengths = jnp.full((batch,), seq, jnp.int32)
 
     def attend(q, k, v):
-      return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention)
+      return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention,
+                               mesh=mesh)
 
     def body(x, w, layer):
-      return self._block(x, w, positions, attend)
+      return self._block(x, w, positions, attend, shards=_shards(mesh))
 
     x = _over_layers(body, self._embed(tokens, positions), self._layer_weights(),
                      self.config.num_layers, layer_loop)
     return self._lm_head(x)
 
   def prefill(self, tokens, lengths, cache: KVCache, *, attention: Backend = "xla",
-              layer_loop: str = "scan"):
+              layer_loop: str = "scan", mesh=None):
     """Run right-padded prompts, writing their keys and values to cache[:, :, :S].
+    (`mesh`: see `decode`.)
 
     Args:
       tokens: int32 [B, S], right-padded; lengths: int32 [B], real tokens per row (0 for an
@@ -343,9 +362,10 @@ class Decoder(nnx.Module):
 
       def attend(q, k, v):
         written["k"], written["v"] = k, v
-        return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention)
+        return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention,
+                                 mesh=mesh)
 
-      x = self._block(x, w, positions, attend)
+      x = self._block(x, w, positions, attend, shards=_shards(mesh))
       start = (layer, 0, 0, 0, 0)
       # [L, B, T, K, H] <- [1, B, S, K, H] at (layer, 0, 0)
       k_all = jax.lax.dynamic_update_slice(k_all, written["k"][None].astype(k_all.dtype), start)
@@ -361,7 +381,8 @@ class Decoder(nnx.Module):
     return self._lm_head(x_last), KVCache(k=k_all, v=v_all)
 
   def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
-             layer_loop: str = "scan", min_matmul_rows: int = 1, linear: str = "xla"):
+             layer_loop: str = "scan", min_matmul_rows: int = 1, linear: str = "xla",
+             mesh=None):
     """One decode step: each row's token is written at its own position and attends to the
     cache up to and including it.
 
@@ -375,6 +396,9 @@ class Decoder(nnx.Module):
         padding. XLA projections only (the Pallas ones mask their rows).
       linear: "xla" or "pallas" projections (see `_block`). The Pallas kernels read each
         layer's weights in place from the stacked arrays.
+      mesh: a 1-D tensor-parallel mesh (`cg_jax.sharding`): the weights are in its shard-major
+        layout and split over it, the cache by KV head; the Pallas attention kernels then run per
+        device. None on one device.
     Returns:
       (float32 [B, V] next-token logits, updated cache).
     """
@@ -394,7 +418,7 @@ class Decoder(nnx.Module):
         v_new = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
         cache_out["k"], cache_out["v"] = k_new, v_new
         out = decode_attention(q[:, 0], k_new, v_new, positions + 1, sm_scale=self._sm_scale,
-                               backend=attention, layer=layer)
+                               backend=attention, layer=layer, mesh=mesh)
         # [B, 1, N, H] -> [P, 1, N, H], the padding rows zero
         return jnp.pad(out[:, None], ((0, padded - batch), (0, 0), (0, 0), (0, 0)))
 
@@ -402,7 +426,7 @@ class Decoder(nnx.Module):
         w, project = stacked, functools.partial(_fused_projection, layer=layer)
       else:
         project = xla_projection
-      x = self._block(x, w, padded_positions[:, None], attend, project)
+      x = self._block(x, w, padded_positions[:, None], attend, project, _shards(mesh))
       return x, cache_out["k"], cache_out["v"]
 
     # [P]: the padding rows take position 0 (their values never reach a real row)

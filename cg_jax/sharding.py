@@ -1,0 +1,131 @@
+"""Tensor-parallel decoding over the GPUs of one host with jax.sharding (XLA SPMD + NCCL).
+
+Megatron-style: each of N devices holds 1/N of the attention heads and of the MLP columns.
+  - QKV and MLP-in projections are column-parallel (their output columns are split), so each
+    device computes its own heads / MLP columns with no communication;
+  - the output and MLP-out projections are row-parallel (their input rows are split); each
+    device's partial product is summed by one all-reduce per projection, which XLA's SPMD
+    partitioner inserts;
+  - the KV cache [L, B, T, K, H] is split by KV head, so attention is local to each device;
+  - embeddings, norms, biases added after an all-reduce and the LM head are replicated.
+
+Column-parallel weights whose columns hold several parts ([q | k | v], and [gate | up] for a
+gated MLP) are stored shard-major when N > 1: N contiguous column groups, each holding the parts
+of one device's heads / columns, so an even split of the columns gives every device whole parts
+(`to_shard_major`; the model reads that layout through its `shards` argument). With N = 1 the
+layout is the canonical one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import DecoderConfig
+
+AXIS = "tp"
+
+# Stacked per-layer weights [L, ...] that are split; every other weight is replicated.
+_WEIGHT_SPECS = {
+    "qkv_kernel": P(None, None, AXIS),      # [L, D, (Nq + 2K) H], column-parallel
+    "qkv_bias": P(None, AXIS),
+    "out_kernel": P(None, AXIS, None),      # [L, Nq H, D], row-parallel
+    "mlp_in_kernel": P(None, None, AXIS),   # [L, D, F or 2F], column-parallel
+    "mlp_in_bias": P(None, AXIS),
+    "mlp_out_kernel": P(None, AXIS, None),  # [L, F, D], row-parallel
+}
+# [L, B, T, K, H]: split by KV head.
+CACHE_SPEC = P(None, None, None, AXIS, None)
+# Pallas attention inside `shard_map`: decode q [B, Hq, D], prefill q / k / v [B, S, H, D].
+DECODE_QUERY_SPEC = P(None, AXIS, None)
+HEADS_SPEC = P(None, None, AXIS, None)
+
+
+def check_tensor_parallel(config: DecoderConfig, tensor_parallel, linear: str = "xla") -> None:
+  """ValueError unless `tensor_parallel` is an int in [1, device count] that divides the heads,
+  the KV heads and the MLP width (and, above 1, the projections are XLA's)."""
+  devices = len(jax.devices())
+  if (not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool)
+      or not 1 <= tensor_parallel <= devices):
+    raise ValueError(f"tensor_parallel must be an int in [1, {devices}] (the devices here), got "
+                     f"{tensor_parallel!r}")
+  sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
+           "intermediate_size": config.intermediate_size}
+  odd = {name: size for name, size in sizes.items() if size % tensor_parallel}
+  if odd:
+    raise ValueError(f"tensor_parallel={tensor_parallel} must divide {odd}")
+  if tensor_parallel > 1 and linear != "xla":
+    raise ValueError(f"tensor_parallel > 1 needs linear='xla' (the fused Pallas projections are "
+                     f"single-device), got linear={linear!r}")
+
+
+def _column_parts(config: DecoderConfig, name: str) -> list[int] | None:
+  """Widths of the parts along the last axis of a multi-part column-parallel weight."""
+  c = config
+  if name in ("qkv_kernel", "qkv_bias"):
+    return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+  if name in ("mlp_in_kernel", "mlp_in_bias") and c.gated_mlp:
+    return [c.intermediate_size, c.intermediate_size]
+  return None
+
+
+def to_shard_major(config: DecoderConfig, weights: Mapping, shards: int) -> dict:
+  """Canonical {name: array} -> the same with multi-part columns regrouped per shard:
+  [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (and [gate | up] likewise)."""
+  out = dict(weights)
+  for name, array in weights.items():
+    parts = _column_parts(config, name)
+    if parts is None or shards == 1:
+      continue
+    xp = jnp if isinstance(array, jax.Array) else np
+    # each part [..., width] -> [..., shards, width / shards], side by side per shard
+    pieces = np.split(np.asarray(array), np.cumsum(parts)[:-1], axis=-1) if xp is np else (
+        jnp.split(array, np.cumsum(parts)[:-1].tolist(), axis=-1))
+    grouped = xp.concatenate([p.reshape(*p.shape[:-1], shards, -1) for p in pieces], axis=-1)
+    out[name] = grouped.reshape(array.shape)
+  return out
+
+
+def from_shard_major(config: DecoderConfig, weights: Mapping, shards: int) -> dict:
+  """The inverse of `to_shard_major`."""
+  out = dict(weights)
+  for name, array in weights.items():
+    parts = _column_parts(config, name)
+    if parts is None or shards == 1:
+      continue
+    xp = jnp if isinstance(array, jax.Array) else np
+    # [..., shards, per-shard width] -> parts [..., shards, width / shards] -> [..., width]
+    grouped = array.reshape(*array.shape[:-1], shards, -1)
+    per_shard = np.cumsum([p // shards for p in parts])[:-1].tolist()
+    pieces = xp.split(grouped, per_shard, axis=-1)
+    out[name] = xp.concatenate([p.reshape(*array.shape[:-1], -1) for p in pieces], axis=-1)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+  """A 1-D device mesh over the first `size` devices and the placements on it."""
+
+  mesh: Mesh
+
+  @classmethod
+  def over(cls, size: int) -> "TensorParallel":
+    return cls(Mesh(np.asarray(jax.devices()[:size]), (AXIS,)))
+
+  @property
+  def size(self) -> int:
+    return self.mesh.shape[AXIS]
+
+  def replicated(self, memory_kind: str | None = None) -> NamedSharding:
+    return NamedSharding(self.mesh, P(), memory_kind=memory_kind)
+
+  def weight(self, name: str) -> NamedSharding:
+    return NamedSharding(self.mesh, _WEIGHT_SPECS.get(name, P()))
+
+  def cache(self, memory_kind: str | None = None) -> NamedSharding:
+    return NamedSharding(self.mesh, CACHE_SPEC, memory_kind=memory_kind)
