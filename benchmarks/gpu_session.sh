@@ -15,6 +15,7 @@
 #   matmul-rows    the step with XLA products on 1, 8 or 16 rows, and with fused Pallas ones
 #   graphs-all     every graph mode x model x batch with Pallas attention
 #   graphs-final   off/xla-default on gpt2, full on every model at batch 1, 8, 32
+#   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
@@ -96,6 +97,9 @@ if has matmul-rows; then  # the step with XLA products on 1/8/16 rows, and fused
   run fused-linear 160 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8 --traces gpt2 \
     --loop-batches none --linears pallas --ttft-len 0
+fi
+if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
+  run tp 500 python3 benchmarks/tp_bench.py
 fi
 if has baselines; then
   echo "=== baselines ($(date +%T)) ==="

@@ -180,6 +180,12 @@ class DecodeState:
   positions: Any
 
 
+def _inputs(engine, tree):
+  """Request arrays placed where the engine's executables take them (one device, or replicated
+  over a tensor-parallel mesh)."""
+  return jax.device_put(tree, engine._inputs_at)
+
+
 def _prepare(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, DecodeState]:
   # Tokens and positions are donated into each step: callers must pass fresh copies per run.
   """Compile the greedy decode step for `batch`, fill the KV cache with random values (timing
@@ -190,17 +196,18 @@ def _prepare(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, Dec
   decode = engine._executable(("decode", engine.config.buckets.batch_bucket(batch), True))
   cache = engine._ensure_cache()
   key_k, key_v = jax.random.split(jax.random.key(seed))
-  engine._cache = KVCache(k=jax.random.normal(key_k, cache.k.shape, cache.k.dtype),
-                          v=jax.random.normal(key_v, cache.v.shape, cache.v.dtype))
+  engine._cache = jax.device_put(
+      KVCache(k=jax.random.normal(key_k, cache.k.shape, cache.k.dtype),
+              v=jax.random.normal(key_v, cache.v.shape, cache.v.dtype)), engine._cache_at)
   bucket = engine.config.buckets.batch_bucket(batch)
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, engine.model_config.vocab_size, (bucket,)).astype(np.int32)
-  return decode, DecodeState(jnp.asarray(tokens), jnp.full((bucket,), position, jnp.int32))
+  return decode, DecodeState(*_inputs(engine, (tokens, np.full((bucket,), position, np.int32))))
 
 
 def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
   """Run `steps` decode steps; returns (wall seconds, per-call host dispatch seconds)."""
-  tokens, positions = jnp.array(state.tokens), jnp.array(state.positions)  # donated below
+  tokens, positions = _inputs(engine, (jnp.array(state.tokens), jnp.array(state.positions)))
   weights = engine._split.weights
   dispatch = []
   jax.block_until_ready(engine._cache)
@@ -251,9 +258,9 @@ def time_prefill(engine, batch: int, prompt_len: int, *, repeats: int = 10,
   prefill = engine._executable(("prefill", bucket, length))
   first = engine._executable(("first", bucket, True))
   rng = np.random.default_rng(seed)
-  tokens = jnp.asarray(rng.integers(0, engine.model_config.vocab_size, (bucket, length)),
-                       jnp.int32)
-  lengths = jnp.full((bucket,), prompt_len, jnp.int32)
+  tokens, lengths = _inputs(engine, (
+      rng.integers(0, engine.model_config.vocab_size, (bucket, length)).astype(np.int32),
+      np.full((bucket,), prompt_len, np.int32)))
   weights = engine._split.weights
 
   def once():
@@ -280,8 +287,9 @@ def _device_loop_runner(engine, batch: int, position: int):
 
   def once():
     """(host seconds until the call returned, seconds until its tokens were on the host)."""
-    loop_state = LoopState(tokens=jnp.array(state.tokens), positions=jnp.array(state.positions),
-                           done=jnp.zeros((bucket,), bool), budget=jnp.full((bucket,), k, jnp.int32))
+    loop_state = _inputs(engine, LoopState(
+        tokens=jnp.array(state.tokens), positions=jnp.array(state.positions),
+        done=np.zeros((bucket,), bool), budget=np.full((bucket,), k, np.int32)))
     jax.block_until_ready((engine._cache, loop_state))
     start = time.perf_counter()
     _, out, engine._cache = loop(engine._split.weights, engine._cache, loop_state, eos, None)

@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cg_jax import Engine  # noqa: E402
+from cg_jax import Engine, profile  # noqa: E402
 from cg_jax.sharding import AXIS  # noqa: E402
 from models.config import PRESETS  # noqa: E402
 from models.decoder import init_cache  # noqa: E402
@@ -131,6 +131,13 @@ def check_engine(name, config):
   check(split_by_kv_head(parallel._cache.k, parallel), f"{name}: cache placement after swap-in")
   tokens_after = [chunk.tokens[0] for chunk in first + list(stream) if 0 in chunk.tokens]
   check(tokens_after == list(expected[0]), f"{name}: tokens after a swap differ")
+
+  # The timing helpers the benchmarks use take the engine's placements.
+  timing = profile.time_decode(parallel, 2, position=8, steps=2, repeats=1)
+  check(timing["step_us"] > 0, f"{name}: time_decode on the split engine")
+  check(profile.time_prefill(parallel, 2, 12, repeats=1) > 0, f"{name}: time_prefill")
+  check(profile.time_device_loop(parallel, 2, position=8, repeats=1) > 0,
+        f"{name}: time_device_loop")
 
   # The Pallas attention kernels (interpreted on CPU) run per device inside shard_map.
   if DEVICES == 2:
