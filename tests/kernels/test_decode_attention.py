@@ -177,9 +177,11 @@ def test_kernel_rejects_unsupported_head_dim_and_dtype():
 
 
 @pytest.mark.parametrize("batch, kv_heads, cache_len, expected", [
-    (1, 12, 1024, (64, 16)),    # gpt2 shape at batch 1: 12 programs -> 192
+    (1, 12, 1024, (64, 16)),    # gpt2 shape at batch 1: 12 programs -> 192 (never below block_k)
     (1, 8, 1024, (64, 16)),     # llama-3.2-1b shape at batch 1: 8 -> 128
-    (8, 8, 1024, (512, 2)),     # already 128 programs
+    (8, 12, 1024, (128, 8)),    # gpt2 at batch 8: 192 -> 768
+    (8, 8, 1024, (128, 8)),     # llama at batch 8: 128 -> 512
+    (32, 8, 1024, (512, 2)),    # already 512 programs
     (32, 8, 4096, (512, 8)),
     (1, 8, 100, (64, 2)),       # short cache
     (1, 1, 40, (64, 1)),        # never below block_k
