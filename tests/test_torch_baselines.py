@@ -54,3 +54,28 @@ def test_divergence_without_a_tie_is_flagged():
   kv = _kv(1, 2)
   check = compare_to_eager(_run(eager), kv, _run(graph), kv.clone(), "broken")
   assert not check["divergence_at_near_tie"] and check["logits_max_rel_diff"] == 1.0
+
+
+def test_float32_logits_follow_the_eager_trajectory():
+  """float32_logits re-runs the eager loop's steps with its tokens: on a float32 model it gives
+  the eager logits exactly (a token fed one step late or early would not); on a bfloat16 model
+  the eager logits are within bfloat16 rounding of it."""
+  from transformers import GPT2Config, GPT2LMHeadModel
+  from torch_baselines import EagerLoop, StaticDecoder, float32_logits
+
+  config = GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+  torch.manual_seed(0)
+  model32 = GPT2LMHeadModel(config).eval()
+  prompt = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+  for dtype, tolerance in ((torch.float32, 0.0), (torch.bfloat16, 3e-2)):
+    model = model32.to(dtype) if dtype != torch.float32 else model32
+    with torch.no_grad():
+      decoder = StaticDecoder(model, 2, 32)
+      first = decoder.prefill(prompt)
+      eager = EagerLoop(decoder, first, 12)
+      reference = eager.run(5, collect=True)
+      exact = float32_logits(model, prompt, first, 12, 32, reference)
+    assert len(exact) == 5
+    for (_, logits), logits32 in zip(reference, exact):
+      error = float((logits - logits32).abs().max() / logits32.abs().max())
+      assert error <= tolerance, (dtype, error)
