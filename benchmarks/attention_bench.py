@@ -21,13 +21,13 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from bench_util import fastest, git_commit, median_call_us, relative_error, write_rows
+from bench_util import (HBM_BYTES_PER_S, fastest, git_commit, median_call_us, relative_error,
+                        write_rows)
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_reference)
 from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attention,
                                             flash_attention_reference)
 
-HBM_BYTES_PER_S = 4.2e12
 BF16_FLOPS = 790e12
 # Launch settings searched per shape (the best is reported with its config).
 DECODE_CONFIGS = tuple(

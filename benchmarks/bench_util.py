@@ -9,6 +9,9 @@ import subprocess
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The H200's measured device-to-device copy bandwidth (../shared/gpu-facts.md): the HBM ceiling
+# every floor and bandwidth share is computed against.
+HBM_BYTES_PER_S = 4.2e12
 
 
 def git_commit() -> str:

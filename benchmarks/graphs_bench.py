@@ -20,11 +20,10 @@ import time
 
 import jax
 
-from bench_util import git_commit, write_rows
+from bench_util import HBM_BYTES_PER_S, git_commit, write_rows
 from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
 
-HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy bandwidth of the H200 (shared/gpu-facts)
 
 
 def floor_us(engine: Engine, batch: int, position: int) -> float:

@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_util import fastest, git_commit, median_call_us, relative_error, write_rows
+from bench_util import (HBM_BYTES_PER_S, fastest, git_commit, median_call_us, relative_error,
+                        write_rows)
 from cg_jax.graphs import compiler_options
 from cg_jax.kernels.fused_linear import FusedLinearConfig, default_config, fused_linear
 from models.config import PRESETS
 from models.decoder import xla_projection
 
-HBM_BYTES_PER_S = 4.2e12
 LAYERS = 32
 
 

@@ -27,8 +27,8 @@ import numpy as np
 from bench_util import git_commit, relative_error, write_rows
 from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
+from graphs_bench import floor_us as one_gpu_floor_us
 
-HBM_BYTES_PER_S = 4.2e12
 # The `full` command types plus COLLECTIVES, as an extra per-executable option.
 WITH_COLLECTIVES = {"xla_gpu_enable_command_buffer":
                     GRAPH_MODES["full"]["xla_gpu_enable_command_buffer"] + ",COLLECTIVES"}
@@ -36,10 +36,8 @@ VARIANTS = {"full": {}, "full+collectives": WITH_COLLECTIVES}
 
 
 def floor_us(engine: Engine, batch: int, position: int) -> float:
-  """Per-device HBM floor: (weights + valid KV bytes) / devices / copy bandwidth."""
-  c, itemsize = engine.model_config, engine.dtype.itemsize
-  kv = 2 * c.num_layers * batch * position * c.num_kv_heads * c.head_dim * itemsize
-  return (c.num_parameters() * itemsize + kv) / engine.config.tensor_parallel / HBM_BYTES_PER_S * 1e6
+  """Per-device HBM floor: the one-GPU floor over the devices."""
+  return one_gpu_floor_us(engine, batch, position) / engine.config.tensor_parallel
 
 
 def main():

@@ -74,37 +74,36 @@ def _column_parts(config: DecoderConfig, name: str) -> list[int] | None:
   return None
 
 
-def to_shard_major(config: DecoderConfig, weights: Mapping, shards: int) -> dict:
-  """Canonical {name: array} -> the same with multi-part columns regrouped per shard:
-  [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (and [gate | up] likewise)."""
+def _regroup(config: DecoderConfig, weights: Mapping, shards: int, regroup) -> dict:
+  """{name: array} with regroup(array, part widths, array module) applied to the multi-part
+  column-parallel weights (nothing to do on one shard)."""
   out = dict(weights)
   for name, array in weights.items():
     parts = _column_parts(config, name)
-    if parts is None or shards == 1:
-      continue
-    xp = jnp if isinstance(array, jax.Array) else np
-    # each part [..., width] -> [..., shards, width / shards], side by side per shard
-    pieces = np.split(np.asarray(array), np.cumsum(parts)[:-1], axis=-1) if xp is np else (
-        jnp.split(array, np.cumsum(parts)[:-1].tolist(), axis=-1))
-    grouped = xp.concatenate([p.reshape(*p.shape[:-1], shards, -1) for p in pieces], axis=-1)
-    out[name] = grouped.reshape(array.shape)
+    if parts is not None and shards > 1:
+      out[name] = regroup(array, parts, jnp if isinstance(array, jax.Array) else np)
   return out
+
+
+def to_shard_major(config: DecoderConfig, weights: Mapping, shards: int) -> dict:
+  """Canonical {name: array} -> the same with multi-part columns regrouped per shard:
+  [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (and [gate | up] likewise)."""
+  def regroup(array, parts, xp):
+    pieces = xp.split(array, np.cumsum(parts)[:-1].tolist(), axis=-1)
+    # each part [..., width] -> [..., shards, width / shards], side by side per shard
+    grouped = xp.concatenate([p.reshape(*p.shape[:-1], shards, -1) for p in pieces], axis=-1)
+    return grouped.reshape(array.shape)
+  return _regroup(config, weights, shards, regroup)
 
 
 def from_shard_major(config: DecoderConfig, weights: Mapping, shards: int) -> dict:
   """The inverse of `to_shard_major`."""
-  out = dict(weights)
-  for name, array in weights.items():
-    parts = _column_parts(config, name)
-    if parts is None or shards == 1:
-      continue
-    xp = jnp if isinstance(array, jax.Array) else np
+  def regroup(array, parts, xp):
     # [..., shards, per-shard width] -> parts [..., shards, width / shards] -> [..., width]
     grouped = array.reshape(*array.shape[:-1], shards, -1)
-    per_shard = np.cumsum([p // shards for p in parts])[:-1].tolist()
-    pieces = xp.split(grouped, per_shard, axis=-1)
-    out[name] = xp.concatenate([p.reshape(*array.shape[:-1], -1) for p in pieces], axis=-1)
-  return out
+    pieces = xp.split(grouped, np.cumsum([p // shards for p in parts])[:-1].tolist(), axis=-1)
+    return xp.concatenate([p.reshape(*array.shape[:-1], -1) for p in pieces], axis=-1)
+  return _regroup(config, weights, shards, regroup)
 
 
 @dataclasses.dataclass(frozen=True)
