@@ -10,6 +10,7 @@
 #   io             host I/O: streamed tokens, pinned transfers, KV swap
 #   graphs-pallas  graph modes with Pallas attention in the decode step
 #   io-overlap, dispatch-loop, mosaic-probe, graphs-b32   short follow-ups (see below)
+#   io-offload     a 1 GB buffer offloaded to pinned host in chunks inside the decode steps
 #   attention-decode  the decode-attention rows of `attention` only
 #   linear         decode projections in-graph: fused Pallas kernel against XLA
 #   matmul-rows    the step with XLA products on 1, 8 or 16 rows, and with fused Pallas ones
@@ -66,6 +67,9 @@ fi
 # Short follow-ups (one small device call): swap/compute overlap, device-loop dispatch, the
 # Mosaic GPU backend probe, batch-32 rows.
 if has io-overlap; then run io-overlap 50 python3 benchmarks/io_bench.py --parts swap-overlap; fi
+if has io-offload; then  # 1 GB offloaded in 32 chunks by the decode steps' own programs
+  run io-offload 90 python3 benchmarks/io_bench.py --parts offload-in-step
+fi
 if has dispatch-loop; then run dispatch-loop 50 python3 benchmarks/dispatch_bench.py --modes full; fi
 if has mosaic-probe; then
   run mosaic-probe 45 python3 benchmarks/attention_bench.py --parts mosaic-probe

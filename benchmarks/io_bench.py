@@ -144,6 +144,61 @@ def swap_overlap_rows(model: str, swap_model: str, swap_batch: int, swap_max_seq
   return rows
 
 
+def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: int) -> list[dict]:
+  """A cache-sized buffer offloaded by the decode steps themselves: each step's program also
+  copies one chunk (total_bytes / steps) to pinned host memory (an output placed in
+  `pinned_host`: XLA's copy-start/copy-done on a copy stream, inside the same program), so the
+  copy can overlap that step's kernels. A separate transfer (`swap_overlap_rows`) cannot: the
+  next program on the compute stream waits for it. Reports the step alone and with the chunk,
+  and the overlap share from a profile."""
+  import jax.numpy as jnp
+
+  runner = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=(1,), prompt_buckets=(16,),
+                                  max_seq_len=max_seq_len, graphs="full", layer_loop="unroll",
+                                  compilation_cache=False)
+  decode, state = profile._prepare(runner, 1, max_seq_len // 2)
+  device = jax.devices()[0]
+  # [steps, elements]: distinct device buffers, one per step
+  chunks = [jnp.full((total_bytes // steps // 2,), i, jnp.bfloat16) for i in range(steps)]
+
+  def step_and_offload(weights, cache, tokens, positions, chunk):
+    return runner._steps.decode(weights, cache, tokens, positions, None), chunk
+
+  with_chunk = jax.jit(step_and_offload, donate_argnums=(1, 2, 3),
+                       out_shardings=(host_io.on_device(device), host_io.pinned_host(device)))
+  with_chunk = with_chunk.lower(runner._split.weights, runner._cache, state.tokens,
+                                state.positions, chunks[0]).compile(
+      compiler_options=dict(runner.config.compiler_options))
+
+  def run(offload: bool) -> tuple[float, list]:
+    tokens, positions = jnp.array(state.tokens), jnp.array(state.positions)
+    copies = []
+    jax.block_until_ready(runner._cache)
+    start = time.perf_counter()
+    for i in range(steps):
+      if offload:
+        (_, tokens, positions, runner._cache), copy = with_chunk(
+            runner._split.weights, runner._cache, tokens, positions, chunks[i])
+        copies.append(copy)
+      else:
+        _, tokens, positions, runner._cache = decode(runner._split.weights, runner._cache,
+                                                     tokens, positions, None)
+    jax.block_until_ready((tokens, copies))
+    return (time.perf_counter() - start) / steps, copies
+
+  run(True), run(False)  # warm
+  alone = statistics.median(run(False)[0] for _ in range(3))
+  during = statistics.median(run(True)[0] for _ in range(3))
+  logdir = tempfile.mkdtemp()
+  with jax.profiler.trace(logdir):
+    _, copies = run(True)
+  placed = {c.sharding.memory_kind for c in copies}
+  overlap = profile.copy_overlap(profile.find_trace(logdir))
+  return [dict(kind="offload_in_step", model=model, batch=1, offloaded_bytes=total_bytes,
+               steps=steps, step_us=alone * 1e6, step_during_swap_us=during * 1e6,
+               copies_memory_kind=",".join(sorted(placed)), **overlap)]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -154,7 +209,9 @@ def main():
   parser.add_argument("--swap-batch", type=int, default=8)
   parser.add_argument("--swap-max-seq-len", type=int, default=4096)
   parser.add_argument("--parts", default="transfer,stream,swap",
-                      help="comma list of transfer, stream, swap, swap-overlap")
+                      help="comma list of transfer, stream, swap, swap-overlap, offload-in-step")
+  parser.add_argument("--offload-bytes", type=int, default=1 << 30)
+  parser.add_argument("--offload-steps", type=int, default=32)
   args = parser.parse_args()
   device = jax.devices()[0]
   commit = git_commit()
@@ -169,6 +226,9 @@ def main():
   if "swap-overlap" in parts:
     rows += swap_overlap_rows(args.models.split(",")[0], args.swap_model, args.swap_batch,
                               args.swap_max_seq_len, args.max_seq_len)
+  if "offload-in-step" in parts:
+    rows += offload_in_step_rows(args.models.split(",")[0], args.offload_bytes,
+                                 args.offload_steps, args.max_seq_len)
   rows = [dict(meta, **r) for r in rows]
   write_rows(args.out, "io_rows.json", rows)
   for r in rows:
@@ -178,6 +238,11 @@ def main():
       print(f"stream {r['model']:13s} lag {r['readback_lag']} {r['stream_token_us']:8.1f} us/token "
             f"step {r['step_us']:8.1f} us ratio {r['stream_over_step']:.3f} "
             f"overlap {r.get('overlap_share', float('nan')):.2f}")
+    elif r["kind"] == "offload_in_step":
+      print(f"offload-in-step {r['model']} {r['offloaded_bytes'] / 1e9:.2f} GB over {r['steps']} "
+            f"steps: step {r['step_us']:.1f} us alone, {r['step_during_swap_us']:.1f} us with a "
+            f"chunk ({r['copies_memory_kind']}); memcpy {r['memcpy_us']:.0f} us, "
+            f"{100 * r['overlap_share']:.1f}% overlapping kernels")
     elif r["kind"] == "swap_overlap":
       print(f"swap-overlap ({r['pinned_pool']} pool) {r['model']} step {r['step_us']:.1f} us alone, "
             f"{r['step_during_swap_us']:.1f} us during the swap; memcpy {r['memcpy_us']:.0f} us, "

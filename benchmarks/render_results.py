@@ -87,6 +87,12 @@ def io(rows: list[dict]) -> list[str]:
       out.append(f"| stream | {r['model']} B={r['batch']} lag {r['readback_lag']} | "
                  f"{r['stream_token_us']:.1f} us/token vs step {r['step_us']:.1f} us = "
                  f"{r['stream_over_step']:.3f}x |")
+    elif r["kind"] == "offload_in_step":
+      out.append(f"| offload inside the decode step | {r['offloaded_bytes'] / 1e9:.2f} GB in "
+                 f"{r['steps']} chunks, one per {r['model']} B={r['batch']} step | step "
+                 f"{r['step_us']:.1f} us alone, {r['step_during_swap_us']:.1f} us with a chunk; "
+                 f"copies {r['memcpy_us']:.0f} us, {100 * r['overlap_share']:.1f}% of it "
+                 f"overlapping kernels (profile) |")
     elif r["kind"] == "swap_overlap":
       pool = f", {r['pinned_pool']} pinned pool" if r.get("pinned_pool") else ""
       out.append(f"| swap overlapped with decode | {r['swap_model']} cache swapped out (thread{pool}) "
