@@ -136,3 +136,39 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
   # [B, 1, T]
   mask = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, None, :]
   return _softmax_attention(q[:, None], k_cache, v_cache, mask, sm_scale)[:, 0]
+
+
+def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, layer,
+                               sm_scale: float, backend: Backend = "xla", mesh=None):
+  """Write one new token's key and value per row into layer `layer` of the stacked caches and
+  attend to the cache up to and including it.
+
+  Args:
+    q: [B, Hq, D]; k_new, v_new: [B, Hkv, D]; k_all, v_all: [L, B', T, Hkv, D] (B' >= B);
+    positions: int32 [B], where row b's new token goes (< T).
+    layer: a Python int, or a traced index (scan).
+  Returns:
+    (out [B, Hq, D], k_all, v_all) with the new keys and values written.
+
+  With the Pallas backend and a static layer, one kernel does both
+  (`decode_attention_with_write`: the caches are updated in place, no scatter kernels); otherwise
+  the write is an XLA scatter followed by `decode_attention`.
+  """
+  if backend == "pallas" and isinstance(layer, int):
+    from cg_jax.kernels.decode_attention import decode_attention_with_write
+
+    def kernel(q, k_new, v_new, k_all, v_all, lengths):
+      return decode_attention_with_write(q, k_new, v_new, k_all, v_all, lengths, layer=layer,
+                                         sm_scale=sm_scale, interpret=interpret_pallas())
+    if mesh is not None:
+      heads, cache = _heads(mesh, 3, 1), _heads(mesh, 5, 3)
+      kernel = _over_head_shards(kernel, mesh, (heads, heads, heads, cache, cache, P()),
+                                 (heads, cache, cache))
+    return kernel(q, k_new, v_new, k_all, v_all, positions + 1)
+  rows = jnp.arange(q.shape[0])
+  k_all = k_all.at[layer, rows, positions].set(k_new.astype(k_all.dtype))
+  v_all = v_all.at[layer, rows, positions].set(v_new.astype(v_all.dtype))
+  out = decode_attention(q, k_all, v_all, positions + 1, sm_scale=sm_scale, backend=backend,
+                         layer=layer, mesh=mesh)
+  return out, k_all, v_all
+

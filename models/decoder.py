@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import Backend, decode_attention, interpret_pallas, prefill_attention
+from models.attention import (Backend, decode_attention_and_write, interpret_pallas,
+                              prefill_attention)
 from models.config import DecoderConfig
 
 LAYER_WEIGHTS: tuple[str, ...] = (
@@ -403,7 +404,6 @@ class Decoder(nnx.Module):
       (float32 [B, V] next-token logits, updated cache).
     """
     batch = tokens.shape[0]
-    rows = jnp.arange(batch)
     padded = max(batch, min_matmul_rows) if linear == "xla" else batch
     stacked = self._layer_weights()
 
@@ -413,12 +413,9 @@ class Decoder(nnx.Module):
 
       def attend(q, k, v):
         # q [P, 1, N, H]; k, v [P, 1, K, H]: the real rows [0, B) -> cache[layer, b, positions[b]]
-        q, k, v = q[:batch], k[:batch], v[:batch]
-        k_new = k_all.at[layer, rows, positions].set(k[:, 0].astype(k_all.dtype))
-        v_new = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
-        cache_out["k"], cache_out["v"] = k_new, v_new
-        out = decode_attention(q[:, 0], k_new, v_new, positions + 1, sm_scale=self._sm_scale,
-                               backend=attention, layer=layer, mesh=mesh)
+        out, cache_out["k"], cache_out["v"] = decode_attention_and_write(
+            q[:batch, 0], k[:batch, 0], v[:batch, 0], k_all, v_all, positions, layer=layer,
+            sm_scale=self._sm_scale, backend=attention, mesh=mesh)
         # [B, 1, N, H] -> [P, 1, N, H], the padding rows zero
         return jnp.pad(out[:, None], ((0, padded - batch), (0, 0), (0, 0), (0, 0)))
 

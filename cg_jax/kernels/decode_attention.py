@@ -22,6 +22,12 @@ zeros and are never written; nothing is padded outside the kernel). Cache rows p
 (and past T, where T is not a multiple of the split) are never loaded: every key/value load is
 masked, so the cache is not copied or padded.
 
+`decode_attention_with_write` also takes the new token's key and value and writes them into the
+(donated, aliased) stacked cache: the program whose split holds a row's new position stores
+them there, and attends to the new key from its input (the cache supplies the keys before it).
+A decode step then has one kernel per layer for the cache write and attention, instead of two
+scatters and the attention.
+
 `decode_attention_reference` is the same computation in plain jnp, the XLA fallback.
 """
 
@@ -138,9 +144,15 @@ def _combine_splits(split_acc, split_max, split_denom):
   return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale: float,
-                             block_k: int, split_size: int, padded_group: int):
+def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
+                             block_k: int, split_size: int, padded_group: int,
+                             writes_new: bool):
   """One (batch row, KV head, split) program.
+
+  With `writes_new`, refs start with k_new_ref, v_new_ref [D] (the new token's key and value,
+  at position length - 1) and end with the aliased cache outputs k_out_ref, v_out_ref
+  [split_size, D]: the cache supplies keys below length - 1, the new key is attended from its
+  input, and the program whose split holds position length - 1 stores it there.
 
   Refs: lengths_ref [] int32; q_ref [G, D]; k_ref, v_ref [split_size, D] (this split's window of
   the cache, possibly reaching past T: rows at or past the length are never loaded). Outputs:
@@ -148,10 +160,20 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *out_refs, sm_sca
   partials acc_ref [G, D] f32 and max_ref, denom_ref [G] f32 for `_combine_splits`. The G query
   rows are handled as `padded_group` (>= 16 for Triton dots) through masked loads and stores.
   """
+  if writes_new:
+    k_new_ref, v_new_ref, *out_refs, k_out_ref, v_out_ref = refs
+  else:
+    out_refs = refs
   group, head_dim = q_ref.shape
   real_rows = jnp.arange(padded_group) < group
   split_start = pl.program_id(2) * split_size
   length = lengths_ref[()]
+  if writes_new:
+    # The new token's position, and whether this program's split holds it.
+    new_position = length - 1
+    owns_new = (length > 0) & (split_start <= new_position) & (
+        new_position < split_start + split_size)
+    length = jnp.maximum(new_position, 0)  # the keys read from the cache
   # Blocks of this split that hold at least one key below `length` (0 when the split is past it).
   # Both operands are non-negative, so truncating and flooring division agree.
   keys_left = jnp.maximum(length - split_start, 0)
@@ -193,6 +215,25 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *out_refs, sm_sca
              jnp.full((padded_group,), -jnp.inf, jnp.float32),
              jnp.zeros((padded_group,), jnp.float32))
   acc, row_max, denom = lax.fori_loop(0, num_blocks, attend_block, initial)
+  if writes_new:
+    # The new key and value: attended from the inputs, stored into the cache by their owner.
+    # [D]
+    key, value = k_new_ref[...], v_new_ref[...]
+    # [G]
+    score = jnp.sum(query.astype(jnp.float32) * key.astype(jnp.float32)[None, :], axis=1) * sm_scale
+    score = jnp.where(owns_new, score, -jnp.inf)
+    new_max = jnp.maximum(row_max, score)
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    rescale, weight = jnp.exp(row_max - safe_max), jnp.exp(score - safe_max)
+    denom = denom * rescale + weight
+    acc = acc * rescale[:, None] + weight[:, None] * value.astype(jnp.float32)[None, :]
+    row_max = new_max
+    row = jnp.clip(new_position - split_start, 0, split_size - 1)
+    stored = jnp.full((1, head_dim), owns_new)
+    pltriton.store(k_out_ref.at[pl.ds(row, 1), :], key[None, :].astype(k_out_ref.dtype),
+                   mask=stored)
+    pltriton.store(v_out_ref.at[pl.ds(row, 1), :], value[None, :].astype(v_out_ref.dtype),
+                   mask=stored)
   rows = pl.ds(0, padded_group)
   if len(out_refs) == 1:  # one split: normalise here (a row with no valid key gives zeros)
     (out_ref,) = out_refs
@@ -220,6 +261,33 @@ def split_layout(batch: int, num_kv_heads: int, cache_len: int,
   return split_size, pl.cdiv(cache_len, split_size)
 
 
+@functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"),
+                   donate_argnames=("k_cache", "v_cache"))
+def decode_attention_with_write(q, k_new, v_new, k_cache, v_cache, lengths, *, layer: int,
+                                sm_scale: float | None = None,
+                                config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                                interpret: bool = False):
+  """The decode step's cache write and attention in one kernel.
+
+  Writes k_new, v_new [B, Hkv, D] (the new token's key and value) into the stacked caches
+  [L, B', T, Hkv, D] at (layer, b, lengths[b] - 1) in place (the caches are donated and aliased
+  to the outputs) and attends q over keys 0..lengths[b] - 1, the last one being the new key.
+  Replaces `cache.at[layer, rows, lengths - 1].set(...)` followed by `decode_attention`, which
+  costs two scatter kernels per layer. lengths[b] >= 1 for real rows; a row with length 0 is
+  neither written nor attended (zeros).
+
+  Returns:
+    (out [B, Hq, D] in q's dtype, k_cache, v_cache).
+  """
+  batch, num_kv_heads, head_dim = q.shape[0], k_cache.shape[-2], k_cache.shape[-1]
+  if k_new.shape != (batch, num_kv_heads, head_dim) or v_new.shape != k_new.shape:
+    raise ValueError(f"k_new and v_new must be [B, Hkv, D] = {(batch, num_kv_heads, head_dim)}; "
+                     f"got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+  return _decode_attention(q, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
+                           config=config, interpret=interpret,
+                           new=(k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)))
+
+
 @functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"))
 def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
                      sm_scale: float | None = None,
@@ -244,6 +312,12 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
   Raises:
     ValueError: inconsistent shapes or dtypes, or a dtype/head_dim the kernel does not support.
   """
+  return _decode_attention(q, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
+                           config=config, interpret=interpret, new=None)
+
+
+def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, interpret, new):
+  """decode_attention, and with `new` = (k_new, v_new) decode_attention_with_write."""
   batch = q.shape[0] if q.ndim == 3 else None
   if layer is not None:
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
@@ -279,7 +353,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
   grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
 
   kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
-                             split_size=split_size, padded_group=padded_group)
+                             split_size=split_size, padded_group=padded_group,
+                             writes_new=new is not None)
   squeezed = pl.squeezed
   if layer is None:
     cache_spec = pl.BlockSpec((squeezed, split_size, squeezed, head_dim),
@@ -304,26 +379,45 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
         jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group), jnp.float32),
         jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group), jnp.float32),
     ]
+  in_specs = [
+      pl.BlockSpec((squeezed,), lambda b, h, s: (b,)),
+      pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
+      cache_spec,
+      cache_spec,
+  ]
+  operands = [lengths, grouped_q, k_cache, v_cache]
+  aliases = {}
+  if new is not None:
+    # k_new, v_new [B, Hkv, D]; the caches come back as outputs aliased to inputs 2 and 3.
+    in_specs += [pl.BlockSpec((squeezed, squeezed, head_dim), lambda b, h, s: (b, h, 0))] * 2
+    operands += list(new)
+    out_specs = (out_specs if isinstance(out_specs, list) else [out_specs]) + [cache_spec] * 2
+    out_shape = (out_shape if isinstance(out_shape, list) else [out_shape]) + [
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    aliases = {2: len(out_shape) - 2, 3: len(out_shape) - 1}
   result = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, num_splits),
-      in_specs=[
-          pl.BlockSpec((squeezed,), lambda b, h, s: (b,)),
-          pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
-          cache_spec,
-          cache_spec,
-      ],
+      in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="decode_attention",
-  )(lengths, grouped_q, k_cache, v_cache)
+  )(*operands)
+  caches = None
+  if new is not None:
+    *result, k_cache, v_cache = result
+    caches = (k_cache, v_cache)
+    result = result[0] if num_splits == 1 else result
 
   # [B, Hkv, G, D] -> [B, Hq, D]
   out = result if num_splits == 1 else _combine_splits(*result)
-  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  out = out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  return out if caches is None else (out, *caches)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
+                                             decode_attention_with_write,
                                              decode_attention_reference, split_layout)
 from tests.kernels.kernel_test_base import (assert_kernel_close, attention_reference,
                                             lower_for_h200, random_array)
@@ -228,4 +229,47 @@ def test_stacked_cache_with_layer_reads_that_layer_in_place(dtype):
   text = lower_for_h200(lambda *a: decode_attention(*a, layer=2), jax.ShapeDtypeStruct(q.shape, q.dtype),
                         jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                         jax.ShapeDtypeStruct((batch,), jnp.int32))
+  assert "triton" in text.lower()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("config", [SMALL_BLOCKS, DecodeAttentionConfig(min_programs=0),
+                                    DecodeAttentionConfig(block_k=16, split_size=16)],
+                         ids=["splits32", "one-split", "splits16"])
+def test_write_and_attend_matches_scatter_then_float64_attention(dtype, config):
+  """decode_attention_with_write stores each row's new key/value at (layer, b, length - 1) and
+  attends to it: the caches equal the scatter's exactly (rows past the batch, other layers and
+  a length-0 row untouched), the output matches float64 attention over the written cache."""
+  rng = np.random.default_rng(12)
+  layers, rows, batch, cache_len, kv_heads, group, head_dim = 3, 4, 4, 100, 2, 3, 64
+  q = random_array(rng, (batch - 1, kv_heads * group, head_dim), dtype)
+  k_cache = random_array(rng, (layers, rows, cache_len, kv_heads, head_dim), dtype)
+  v_cache = random_array(rng, (layers, rows, cache_len, kv_heads, head_dim), dtype)
+  k_new = random_array(rng, (batch - 1, kv_heads, head_dim), dtype)
+  v_new = random_array(rng, (batch - 1, kv_heads, head_dim), dtype)
+  # Lengths 1 (the new key alone), T (written at the last position), 33 and 0 (nothing).
+  lengths = jnp.asarray([1, cache_len, 33], jnp.int32)
+  written = (np.asarray(lengths) > 0)
+  positions = np.maximum(np.asarray(lengths) - 1, 0)
+  expected_k, expected_v = np.array(k_cache), np.array(v_cache)
+  for b in np.flatnonzero(written):
+    expected_k[1, b, positions[b]] = np.asarray(k_new[b])
+    expected_v[1, b, positions[b]] = np.asarray(v_new[b])
+  out, k_out, v_out = decode_attention_with_write(
+      q, k_new, v_new, jnp.array(k_cache), jnp.array(v_cache), lengths, layer=1, config=config,
+      interpret=True)
+  np.testing.assert_array_equal(np.asarray(k_out), expected_k)
+  np.testing.assert_array_equal(np.asarray(v_out), expected_v)
+  reference = float64_reference(q, expected_k[1, :batch - 1], expected_v[1, :batch - 1], lengths)
+  assert_kernel_close(out, reference, dtype, "decode_attention_with_write")
+  # A zero-length row is neither written nor attended.
+  zero = decode_attention_with_write(q[:1], k_new[:1], v_new[:1], jnp.array(k_cache),
+                                     jnp.array(v_cache), jnp.asarray([0], jnp.int32), layer=0,
+                                     config=config, interpret=True)
+  assert np.all(np.asarray(zero[0], np.float32) == 0.0)
+  np.testing.assert_array_equal(np.asarray(zero[1]), np.asarray(k_cache))
+  text = lower_for_h200(
+      lambda *a: decode_attention_with_write(*a, layer=2, config=config),
+      *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k_new, v_new, k_cache, v_cache,
+                                                          lengths)))
   assert "triton" in text.lower()
