@@ -225,7 +225,8 @@ class Engine:
         raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, "
                          f"expected {tuple(spec.shape)}")
     if self._parallel is None:
-      device_weights = {n: jax.device_put(jnp.asarray(w, dtype=self.dtype))
+      device = jax.devices()[0]  # also when `weights` come split from a tensor-parallel engine
+      device_weights = {n: jax.device_put(jnp.asarray(w, dtype=self.dtype), device)
                         for n, w in weights.items()}
     else:
       weights = to_shard_major(config, {n: np.asarray(w) for n, w in weights.items()},
@@ -309,8 +310,8 @@ class Engine:
     kv = cache_bytes(config, engine.buckets.max_batch, engine.max_seq_len, self.dtype)
     weights = config.num_parameters() * self.dtype.itemsize
     limit = limit if limit is not None else _device_memory_bytes(jax.devices()[0])
-    # Per device: the split weights and cache (replicated weights counted whole would be a
-    # little more; embeddings and norms are small next to the projections).
+    # Per device, approximately: weights and cache over the devices (the replicated embeddings,
+    # norms and LM head make the true share somewhat larger).
     kv, weights = kv // engine.tensor_parallel, weights // engine.tensor_parallel
     if limit is not None and kv + weights > limit:
       gib = 2**30

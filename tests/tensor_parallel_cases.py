@@ -70,6 +70,11 @@ def check_engine(name, config):
     np.testing.assert_array_equal(np.asarray(parallel.weights()[kind]), np.asarray(value),
                                   err_msg=f"{name}: weights() round trip of {kind}")
 
+  # Back to one device from the split engine.
+  again = parallel.with_options(tensor_parallel=1)
+  check(all(len(w.sharding.device_set) == 1 for w in again._split.weights),
+        f"{name}: with_options(tensor_parallel=1) left weights split")
+
   # Full-forward logits.
   ids = np.asarray([p[:3] for p in PROMPTS])
   error = relative_error(parallel.logits(ids), single.logits(ids))
