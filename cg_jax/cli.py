@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
   gen.add_argument("--batch-buckets", type=_int_list, default=list(DEFAULT_BATCH_BUCKETS))
   gen.add_argument("--max-seq-len", type=int, default=None)
+  gen.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split the model over this many devices (cg_jax.sharding)")
   gen.add_argument("--device-loop", action="store_true",
                    help="generate several tokens per host call inside one executable")
   gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
   prof.add_argument("--max-seq-len", type=int, default=1024)
   prof.add_argument("--position", type=int, default=512)
   prof.add_argument("--steps", type=int, default=10)
+  prof.add_argument("--tensor-parallel", type=int, default=1)
   prof.add_argument("--json", action="store_true", help="print one JSON object")
   return parser
 
@@ -60,7 +63,8 @@ def run_profile(args) -> int:
 
   engine = Engine.from_pretrained(args.model, dtype=args.dtype, batch_buckets=[args.batch],
                                   prompt_buckets=[16], max_seq_len=args.max_seq_len,
-                                  graphs=args.graphs, layer_loop=args.layer_loop)
+                                  graphs=args.graphs, layer_loop=args.layer_loop,
+                                  tensor_parallel=args.tensor_parallel)
   timing = profile.time_decode(engine, args.batch, position=args.position)
   report, trace = profile.profile_decode(engine, args.batch, position=args.position,
                                          steps=args.steps)
@@ -82,7 +86,8 @@ def generate(args) -> int:
   from cg_jax.engine import Engine
 
   engine = Engine.from_pretrained(args.model, dtype=args.dtype, batch_buckets=args.batch_buckets,
-                                  max_seq_len=args.max_seq_len)
+                                  max_seq_len=args.max_seq_len,
+                                  tensor_parallel=args.tensor_parallel)
   inputs = args.prompt if args.prompt is not None else args.prompt_ids
   # Validate before compiling anything, then compile only the buckets this request needs.
   engine.validate(inputs, args.max_new_tokens, do_sample=args.temperature > 0,

@@ -65,6 +65,21 @@ def test_cli_checkpoint_with_tokenizer(checkpoint):
   assert plain.stdout.startswith("[0] the quick brown") and "tokens/s" in plain.stdout
 
 
+def test_cli_tensor_parallel_gives_the_one_device_tokens():
+  """--tensor-parallel 2 on two host devices prints the single-device run's tokens; a value the
+  machine cannot take is a clear error before any compile."""
+  args = ("generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
+          "--batch-buckets", "1", "--json")
+  two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  one = _run(*args, env=two_devices)
+  split = _run(*args, "--tensor-parallel", "2", env=two_devices)
+  assert one.returncode == 0 and split.returncode == 0, one.stderr + split.stderr
+  assert json.loads(split.stdout)["tokens"] == json.loads(one.stdout)["tokens"]
+  bad = _run(*args, "--tensor-parallel", "3", env=two_devices)
+  assert bad.returncode == 2
+  assert "tensor_parallel must be an int in [1, 2] (the devices here), got 3" in bad.stderr
+
+
 def test_cli_reports_bad_input():
   out = _run("generate", "--model", "tiny-gpt2", "--prompt-ids", "1,999",
              "--max-new-tokens", "4", "--batch-buckets", "1")
