@@ -229,11 +229,9 @@ class Engine:
       device_weights = {n: jax.device_put(jnp.asarray(w, dtype=self.dtype), device)
                         for n, w in weights.items()}
     else:
-      weights = to_shard_major(config, {n: np.asarray(w) for n, w in weights.items()},
-                               tensor_parallel)
-      device_weights = {n: jax.device_put(np.asarray(w).astype(self.dtype),
-                                          self._parallel.weight(n))
-                        for n, w in weights.items()}
+      host = {n: np.asarray(w).astype(self.dtype) for n, w in weights.items()}
+      device_weights = {n: jax.device_put(w, self._parallel.weight(n))
+                        for n, w in to_shard_major(config, host, tensor_parallel).items()}
     nnx.replace_by_pure_dict(state, device_weights)
     self._split = SplitModel.from_state(graphdef, state)
     mesh = None if self._parallel is None else self._parallel.mesh

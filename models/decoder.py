@@ -145,9 +145,13 @@ def xla_projection(x, w, *, norm=None, norm_scale=None, norm_bias=None, eps=1e-5
   return y if residual is None else residual + y
 
 
-def _fused_projection(x, w, **options):
-  """The same as one `cg_jax.kernels.fused_linear` kernel (interpreted off the GPU)."""
+def _fused_projection(x, w, shards: int = 1, **options):
+  """The same as one `cg_jax.kernels.fused_linear` kernel (interpreted off the GPU), on one
+  device's canonical column layout only (`shards` 1)."""
   from cg_jax.kernels.fused_linear import fused_linear
+
+  if shards != 1:
+    raise ValueError(f"the fused Pallas projections take unsplit weights, got shards={shards}")
 
   return fused_linear(x, w, interpret=interpret_pallas(), **options)
 
@@ -307,8 +311,7 @@ class Decoder(nnx.Module):
     # [B*S, F]: act(h W + b), or act(gate) * up for the gated (SwiGLU) MLP
     mlp = project(flat, w["mlp_in_kernel"], norm=norm, norm_scale=w["mlp_norm_scale"],
                   norm_bias=w.get("mlp_norm_bias"), eps=c.norm_eps, bias=w.get("mlp_in_bias"),
-                  activation=c.activation, gated=c.gated_mlp,
-                  **({"shards": shards} if shards > 1 else {}))
+                  activation=c.activation, gated=c.gated_mlp, shards=shards)
     flat = project(mlp, w["mlp_out_kernel"], bias=w.get("mlp_out_bias"), residual=flat)
     return flat.reshape(batch, seq, hidden)
 
