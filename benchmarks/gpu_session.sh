@@ -16,6 +16,9 @@
 #   matmul-rows    the step with XLA products on 1, 8 or 16 rows, and with fused Pallas ones
 #   graphs-all     every graph mode x model x batch with Pallas attention
 #   graphs-final   off/xla-default on gpt2, full on every model at batch 1, 8, 32
+#   graphs-write   full mode, gpt2 and llama-3.2-1b at batch 1, 8, 32: fused cache write vs scatter
+#   graphs-large   full mode, gpt2-large at batch 1, 8, 32
+#   graphs-long    full mode, llama-3.2-1b with a 4096-long cache (position 512)
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 set -u
@@ -89,6 +92,21 @@ if has graphs-final; then  # the other modes on gpt2, then full mode on every mo
   run graphs-full 300 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,gpt2-large,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8,32 \
     --traces gpt2,llama-3.2-1b --loop-batches 1
+fi
+if has graphs-write; then  # the decode attention storing the new K/V itself, against a scatter
+  run graphs-write 330 python3 benchmarks/graphs_bench.py --attention pallas \
+    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8,32 \
+    --cache-writes fused,scatter --traces gpt2,llama-3.2-1b --loop-batches none
+fi
+if has graphs-large; then
+  run graphs-large 260 python3 benchmarks/graphs_bench.py --attention pallas \
+    --models gpt2-large --modes full --layer-loops unroll --batches 1,8,32 --traces gpt2-large \
+    --loop-batches none
+fi
+if has graphs-long; then
+  run graphs-long 170 python3 benchmarks/graphs_bench.py --attention pallas \
+    --models llama-3.2-1b --modes full --layer-loops unroll --batches 1,8,32 --traces none \
+    --loop-batches none --max-seq-len 4096
 fi
 if has attention-decode; then
   run attention-decode 150 python3 benchmarks/attention_bench.py --parts decode

@@ -53,6 +53,8 @@ def main():
                       help="prompt length of the time-to-first-token rows (0: not measured)")
   parser.add_argument("--linears", default="xla",
                       help="comma list of Engine(linear=...) projection backends to compare")
+  parser.add_argument("--cache-writes", default="fused",
+                      help="comma list of Engine(cache_write=...) values to compare")
   args = parser.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   os.makedirs(args.out, exist_ok=True)
@@ -68,69 +70,88 @@ def main():
                                   prompt_buckets=prompt_buckets, max_seq_len=args.max_seq_len,
                                   attention=args.attention, compilation_cache=False)
     reference_tokens = None
-    for layer_loop, mode, matmul_rows, linear in itertools.product(
+    for layer_loop, mode, matmul_rows, linear, cache_write in itertools.product(
         args.layer_loops.split(","), args.modes.split(","),
-        [int(r) for r in args.matmul_rows.split(",")], args.linears.split(",")):
-        engine = base.with_options(graphs=mode, layer_loop=layer_loop, compilation_cache=False,
-                                   min_matmul_rows=matmul_rows, linear=linear)
-        start = time.perf_counter()
-        engine.warmup(batch_sizes=[1], phases=("prefill", "first", "decode"), progress=False)
-        tokens = list(engine.generate(prompt, max_new_tokens=16, eos_token_id=[]))
-        reference_tokens = reference_tokens or tokens
-        loop_batches = [int(b) for b in args.loop_batches.split(",") if b.strip().isdigit()]
-        for batch in batches:
-          timed_loop = batch in loop_batches
-          engine.warmup(batch_sizes=[batch], phases=("decode", "loop") if timed_loop else ("decode",),
-                        progress=False)
-          compile_s = time.perf_counter() - start
-          row = dict(meta, mode=mode, layer_loop=layer_loop, model=model,
-                     batch=batch, min_matmul_rows=matmul_rows, linear=linear,
-                     compile_s=compile_s,
-                     tokens_match_reference=tokens == reference_tokens)
-          row.update(profile.time_decode(engine, batch, position=args.position))
-          row["step_readback_us"] = profile.time_decode(engine, batch, position=args.position,
-                                                        read_back=True)["step_us"]
-          row["device_loop_token_us"] = float("nan")
-          if timed_loop:
-            row["device_loop_token_us"] = profile.time_device_loop(engine, batch, position=args.position)
-            loop_report, _ = profile.profile_device_loop(engine, batch, position=args.position)
-            row["device_loop_k"] = engine.config.decode_loop_steps
-            row["device_loop_graph_launches_per_token"] = loop_report.graph_launches_per_step
-            row["device_loop_kernel_launches_outside_graphs_per_token"] = (
-                loop_report.kernel_launches_outside_graphs_per_step)
-          trace_dir = os.path.join(
-              "/tmp", f"trace_{model}_{layer_loop}_{mode}_{linear}_rows{matmul_rows}_{batch}")
-          report, trace_path = profile.profile_decode(engine, batch, position=args.position,
-                                                      logdir=trace_dir)
-          row.update(report.as_dict())
-          # The headline dispatch number is the un-profiled wall time of one call.
-          row["host_dispatch_profiled_us"] = row.pop("host_dispatch_us")
-          row["host_dispatch_us"] = row.pop("host_dispatch_wall_us")
-          row["top_kernels"] = [list(k) for k in report.top_kernels]
-          row["floor_us"] = floor_us(engine, batch, args.position)
-          if args.ttft_len:
-            row["ttft_ms"] = profile.time_prefill(engine, batch, args.ttft_len)
-            row["ttft_prompt_len"] = args.ttft_len
-          if model in args.traces.split(",") and batch == 1:
-            shutil.copy(trace_path, os.path.join(
-                args.out, f"trace_{model}_{layer_loop}_{mode}_{linear}_rows{matmul_rows}.json.gz"))
-          rows.append(row)
+        [int(r) for r in args.matmul_rows.split(",")], args.linears.split(","),
+        args.cache_writes.split(",")):
+        try:
+          engine = base.with_options(graphs=mode, layer_loop=layer_loop, compilation_cache=False,
+                                     min_matmul_rows=matmul_rows, linear=linear,
+                                     cache_write=cache_write)
+          start = time.perf_counter()
+          engine.warmup(batch_sizes=[1], phases=("prefill", "first", "decode"), progress=False)
+          tokens = list(engine.generate(prompt, max_new_tokens=16, eos_token_id=[]))
+          reference_tokens = reference_tokens or tokens
+          loop_batches = [int(b) for b in args.loop_batches.split(",") if b.strip().isdigit()]
+          for batch in batches:
+            timed_loop = batch in loop_batches
+            engine.warmup(batch_sizes=[batch], phases=("decode", "loop") if timed_loop else ("decode",),
+                          progress=False)
+            compile_s = time.perf_counter() - start
+            row = dict(meta, mode=mode, layer_loop=layer_loop, model=model,
+                       batch=batch, min_matmul_rows=matmul_rows, linear=linear,
+                       cache_write=cache_write,
+                       compile_s=compile_s,
+                       tokens_match_reference=tokens == reference_tokens)
+            row.update(profile.time_decode(engine, batch, position=args.position))
+            row["step_readback_us"] = profile.time_decode(engine, batch, position=args.position,
+                                                          read_back=True)["step_us"]
+            row["device_loop_token_us"] = float("nan")
+            if timed_loop:
+              row["device_loop_token_us"] = profile.time_device_loop(engine, batch, position=args.position)
+              loop_report, _ = profile.profile_device_loop(engine, batch, position=args.position)
+              row["device_loop_k"] = engine.config.decode_loop_steps
+              row["device_loop_graph_launches_per_token"] = loop_report.graph_launches_per_step
+              row["device_loop_kernel_launches_outside_graphs_per_token"] = (
+                  loop_report.kernel_launches_outside_graphs_per_step)
+            trace_dir = os.path.join(
+                "/tmp", f"trace_{model}_{layer_loop}_{mode}_{linear}_{cache_write}_rows{matmul_rows}_{batch}")
+            report, trace_path = profile.profile_decode(engine, batch, position=args.position,
+                                                        logdir=trace_dir)
+            row.update(report.as_dict())
+            # The headline dispatch number is the un-profiled wall time of one call.
+            row["host_dispatch_profiled_us"] = row.pop("host_dispatch_us")
+            row["host_dispatch_us"] = row.pop("host_dispatch_wall_us")
+            row["top_kernels"] = [list(k) for k in report.top_kernels]
+            row["floor_us"] = floor_us(engine, batch, args.position)
+            if args.ttft_len:
+              row["ttft_ms"] = profile.time_prefill(engine, batch, args.ttft_len)
+              row["ttft_prompt_len"] = args.ttft_len
+            if model in args.traces.split(",") and batch == 1:
+              shutil.copy(trace_path, os.path.join(
+                  args.out,
+                  f"trace_{model}_{layer_loop}_{mode}_{linear}_{cache_write}_rows{matmul_rows}.json.gz"))
+            rows.append(row)
+            write_rows(args.out, "graphs_rows.json", rows)
+            print(f"{model:13s} {layer_loop:6s} {mode:11s} {linear:6s} {cache_write:7s} "
+                  f"rows>={matmul_rows:<2d} "
+                  f"B={batch:<2d} step {row['step_us']:8.1f} us "
+                  f"readback {row['step_readback_us']:8.1f} loop {row['device_loop_token_us']:8.1f} "
+                  f"kern {row['kernels_per_step']:6.1f} graphs {row['graph_launches_per_step']:5.1f} "
+                  f"launch {row['kernel_launches_outside_graphs_per_step']:6.1f} "
+                  f"disp {row['host_dispatch_us']:6.1f} call {row['pipelined_call_us']:6.1f} "
+                  f"idle {row['idle_gap_share']:.2f} floor {row['floor_us']:.0f} "
+                  f"match {row['tokens_match_reference']} compile {compile_s:.0f}s", flush=True)
+        except Exception as error:  # noqa: BLE001 -- a failed configuration is a row
+          message = f"{type(error).__name__}: {error}"[:2000]
+          print(f"{model} {layer_loop} {mode} {linear} {cache_write} rows>={matmul_rows}: FAILED "
+                f"{message[:300]}", flush=True)
+          rows.append(dict(meta, mode=mode, layer_loop=layer_loop, model=model, batch=None,
+                          min_matmul_rows=matmul_rows, linear=linear, cache_write=cache_write,
+                          status="failed", error=message))
           write_rows(args.out, "graphs_rows.json", rows)
-          print(f"{model:13s} {layer_loop:6s} {mode:11s} {linear:6s} rows>={matmul_rows:<2d} "
-                f"B={batch:<2d} step {row['step_us']:8.1f} us "
-                f"readback {row['step_readback_us']:8.1f} loop {row['device_loop_token_us']:8.1f} "
-                f"kern {row['kernels_per_step']:6.1f} graphs {row['graph_launches_per_step']:5.1f} "
-                f"launch {row['kernel_launches_outside_graphs_per_step']:6.1f} "
-                f"disp {row['host_dispatch_us']:6.1f} call {row['pipelined_call_us']:6.1f} "
-                f"idle {row['idle_gap_share']:.2f} floor {row['floor_us']:.0f} "
-                f"match {row['tokens_match_reference']} compile {compile_s:.0f}s", flush=True)
-        del engine
+        engine = None
     del base
 
-  print("\nmodel          loop   mode        linear rows B   step_us  readback  loop/tok kern/step graphs/step "
+  print("\nmodel          loop   mode        linear write   rows B   step_us  readback  loop/tok kern/step graphs/step "
         "outside disp_us idle  floor")
   for r in rows:
+    if r.get("status") == "failed":
+      print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} {r['linear']:6s} "
+            f"{r['cache_write']:7s} FAILED: {r['error'][:120]}")
+      continue
     print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} {r['linear']:6s} "
+          f"{r['cache_write']:7s} "
           f"{r['min_matmul_rows']:<4d} "
           f"{r['batch']:<3d} "
           f"{r['step_us']:8.1f} {r['step_readback_us']:9.1f} {r['device_loop_token_us']:9.1f} "

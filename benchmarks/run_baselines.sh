@@ -13,7 +13,8 @@
 #
 # Environment (all optional): MODELS (comma list, default all), SYSTEMS (comma list, default
 # all five), BATCHES (default 1,8,32), PYTHON (default python3), CKPT_DIR, RUN_TIMEOUT_S (per
-# process, default 1800), LONG_RUNS (0 skips the long-cache runs), EXTRA_ARGS (appended to every torch_baselines.py call). Runs add up:
+# process, default 1800), LONG_RUNS (0 skips the long-cache runs, `only` runs
+# just them), EXTRA_ARGS (appended to every torch_baselines.py call). Runs add up:
 # splitting the work over several calls with different MODELS/SYSTEMS and the same OUT_DIR
 # gives one baselines.json with every row (a repeated run replaces that run's rows).
 
@@ -66,10 +67,12 @@ fi
 
 # -- one process per (model, max_len, system) ---------------------------------------------------
 runs=()
-for model in ${MODELS//,/ }; do
-  for system in ${SYSTEMS//,/ }; do runs+=("$model $MAX_LEN $system"); done
-done
-if [[ "${LONG_RUNS:-1}" == 1 && ",$MODELS," == *",$LONG_MODEL,"* ]]; then
+if [[ "${LONG_RUNS:-1}" != only ]]; then
+  for model in ${MODELS//,/ }; do
+    for system in ${SYSTEMS//,/ }; do runs+=("$model $MAX_LEN $system"); done
+  done
+fi
+if [[ "${LONG_RUNS:-1}" != 0 && ",$MODELS," == *",$LONG_MODEL,"* ]]; then
   for system in ${SYSTEMS//,/ }; do runs+=("$LONG_MODEL $LONG_MAX_LEN $system"); done
 fi
 

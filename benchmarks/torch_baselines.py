@@ -458,16 +458,15 @@ def run_decode_system(system: str, model, prompt: torch.Tensor, args, device) ->
     check = compare_to_eager(reference, reference_kv, replayed,
                              written_kv(decoder, args.position, args.check_steps), what)
     result.update(check)
-    assert check["divergence_at_near_tie"], (
-        f"torch_cuda_graph: greedy tokens differ from torch_eager at step "
-        f"{check['first_divergent_step']} without a near tie")
     assert check["kv_max_rel_diff"] <= GRAPH_RELATIVE_TOLERANCE, (
         f"torch_cuda_graph: kv differ from torch_eager by {check['kv_max_rel_diff']:.2e} of "
         f"their max")
-    if check["logits_max_rel_diff"] > GRAPH_RELATIVE_TOLERANCE:
+    if (check["logits_max_rel_diff"] > GRAPH_RELATIVE_TOLERANCE
+        or not check["divergence_at_near_tie"]):
       # Two low-precision loops may round apart over many layers (cuBLAS can pick other
-      # algorithms under capture). Then the graph must be as accurate as eager against float32
-      # logits of the same steps (within 25%), or it fails.
+      # algorithms under capture), and a token may then flip where eager's top-2 gap is wider
+      # than the tolerance allows. Then the graph must be as accurate as eager against float32
+      # logits of the steps computed from equal inputs (within 25%), or it fails.
       divergent = check["first_divergent_step"]
       equal = (len(reference) - 1 if divergent is None else divergent) + 1
       exact = float32_logits(model, prompt, first_tokens, args.position, args.max_len,
@@ -480,8 +479,9 @@ def run_decode_system(system: str, model, prompt: torch.Tensor, args, device) ->
             flush=True)
       assert error["graph"] <= max(GRAPH_RELATIVE_TOLERANCE, 1.25 * error["eager"]), (
           f"torch_cuda_graph: logits differ from torch_eager by "
-          f"{check['logits_max_rel_diff']:.2e} of their max, and from float32 by "
-          f"{error['graph']:.2e} (eager: {error['eager']:.2e})")
+          f"{check['logits_max_rel_diff']:.2e} of their max (greedy tokens "
+          f"{'identical' if divergent is None else f'diverge at step {divergent}'}), and from "
+          f"float32 by {error['graph']:.2e} (eager: {error['eager']:.2e})")
     if loop.graph is None:
       raise SkipSystem("CUDA graphs need a GPU; the graph body was checked against torch_eager "
                        "eagerly on the CPU, no time reported", result)

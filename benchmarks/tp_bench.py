@@ -59,42 +59,59 @@ def main():
               layer_loop="unroll", position=args.position, max_seq_len=args.max_seq_len)
   prompt = [[11, 22, 33, 44, 55, 66, 77]]
   rows = []
-  for model in args.models.split(","):
-    base = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=batches,
-                                  prompt_buckets=(16,), max_seq_len=args.max_seq_len,
-                                  attention="pallas",
-                                  layer_loop="unroll", graphs="full", compilation_cache=False)
-    reference_tokens = base.generate(prompt, max_new_tokens=16, eos_token_id=[])
-    ids = np.asarray([prompt[0] * 2])
-    reference_logits = base.logits(ids)
-    for devices in [int(d) for d in args.devices.split(",")]:
-      for variant in args.variants.split(","):
-        engine = base.with_options(tensor_parallel=devices, compiler_options=VARIANTS[variant],
-                                   compilation_cache=False)
-        tokens = engine.generate(prompt, max_new_tokens=16, eos_token_id=[])
-        logits_error = relative_error(engine.logits(ids), reference_logits)
-        for batch in batches:
-          engine.warmup(batch_sizes=[batch], phases=("decode",), progress=False)
-          row = dict(meta, mode=variant, model=model, tensor_parallel=devices, batch=batch,
-                     tokens_match_one_gpu=tokens == reference_tokens,
-                     logits_rel_error_vs_one_gpu=logits_error,
-                     floor_us=floor_us(engine, batch, args.position))
-          row.update(profile.time_decode(engine, batch, position=args.position,
-                                         steps=args.steps))
-          report, _ = profile.profile_decode(engine, batch, position=args.position,
-                                             steps=min(10, args.steps),
-                                             logdir=f"/tmp/tp_trace_{model}_{devices}_{batch}")
-          row.update(report.as_dict())
-          rows.append(row)
+  references = {}  # model -> (one-GPU engine, its greedy tokens, its full-forward logits)
+  ids = np.asarray([prompt[0] * 2])
+  # Variants outermost: the COLLECTIVES rows come after every plain row, so a failure or hang in
+  # that command type costs no other row.
+  for variant in args.variants.split(","):
+    for model in args.models.split(","):
+      if model not in references:
+        base = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=batches,
+                                      prompt_buckets=(16,), max_seq_len=args.max_seq_len,
+                                      attention="pallas", layer_loop="unroll", graphs="full",
+                                      compilation_cache=False)
+        references[model] = (base, base.generate(prompt, max_new_tokens=16, eos_token_id=[]),
+                             base.logits(ids))
+      base, reference_tokens, reference_logits = references[model]
+      for devices in [int(d) for d in args.devices.split(",")]:
+        if devices == 1 and VARIANTS[variant]:
+          continue  # no collectives on one device: the plain row is the same program
+        try:
+          engine = base if devices == 1 else base.with_options(
+              tensor_parallel=devices, compiler_options=VARIANTS[variant], compilation_cache=False)
+          tokens = engine.generate(prompt, max_new_tokens=16, eos_token_id=[])
+          logits_error = relative_error(engine.logits(ids), reference_logits)
+          for batch in batches:
+            engine.warmup(batch_sizes=[batch], phases=("decode",), progress=False)
+            row = dict(meta, mode=variant, model=model, tensor_parallel=devices, batch=batch,
+                       tokens_match_one_gpu=tokens == reference_tokens,
+                       logits_rel_error_vs_one_gpu=logits_error,
+                       floor_us=floor_us(engine, batch, args.position))
+            row.update(profile.time_decode(engine, batch, position=args.position,
+                                           steps=args.steps))
+            report, _ = profile.profile_decode(engine, batch, position=args.position,
+                                               steps=min(10, args.steps),
+                                               logdir=f"/tmp/tp_trace_{model}_{devices}_{batch}")
+            row.update(report.as_dict())
+            rows.append(row)
+            write_rows(args.out, "tp_rows.json", rows)
+            print(f"{model:13s} tp={devices} {variant:17s} B={batch:<3d} step "
+                  f"{row['step_us']:8.1f} us dispatch {row['host_dispatch_wall_us']:7.1f} kernels "
+                  f"{row['kernels_per_step']:6.0f} graphs {row['graph_launches_per_step']:5.2f} "
+                  f"floor {row['floor_us']:6.0f} tokens_equal {row['tokens_match_one_gpu']} "
+                  f"logits_err {logits_error:.1e}", flush=True)
+        except Exception as error:  # noqa: BLE001 -- a failed configuration is a row
+          message = f"{type(error).__name__}: {error}"[:2000]
+          print(f"{model} tp={devices} {variant}: FAILED {message[:300]}", flush=True)
+          rows.append(dict(meta, mode=variant, model=model, tensor_parallel=devices,
+                           status="failed", error=message))
           write_rows(args.out, "tp_rows.json", rows)
-          print(f"{model:13s} tp={devices} {variant:17s} B={batch:<3d} step "
-                f"{row['step_us']:8.1f} us dispatch {row['host_dispatch_wall_us']:7.1f} kernels "
-                f"{row['kernels_per_step']:6.0f} graphs {row['graph_launches_per_step']:5.2f} "
-                f"floor {row['floor_us']:6.0f} tokens_equal {row['tokens_match_one_gpu']} "
-                f"logits_err {logits_error:.1e}", flush=True)
   print(f"\n{'model':13s} {'tp':>2s} {'mode':17s} {'B':>3s} {'step_us':>9s} {'floor_us':>8s} "
         f"{'graphs':>6s} {'tokens_equal':>12s}")
   for r in rows:
+    if r.get("status") == "failed":
+      print(f"{r['model']:13s} {r['tensor_parallel']:2d} {r['mode']:17s} FAILED {r['error'][:100]}")
+      continue
     print(f"{r['model']:13s} {r['tensor_parallel']:2d} {r['mode']:17s} {r['batch']:3d} "
           f"{r['step_us']:9.1f} {r['floor_us']:8.0f} {r['graph_launches_per_step']:6.2f} "
           f"{str(r['tokens_match_one_gpu']):>12s}")

@@ -27,7 +27,7 @@ from cg_jax.sampling import SamplingArrays
 from cg_jax.sharding import TensorParallel, check_tensor_parallel, from_shard_major, to_shard_major
 from cg_jax.steps import LoopState, SplitModel, StepFunctions
 from models import hf
-from models.attention import check_backend, default_backend as default_attention
+from models.attention import CACHE_WRITES, check_backend, default_backend as default_attention
 from models.config import PRESETS, DecoderConfig
 from models.decoder import (LAYER_LOOPS, Decoder, KVCache, cache_bytes, check_linear_backend,
                             init_cache)
@@ -50,6 +50,7 @@ class EngineConfig:
   min_matmul_rows: decode steps pad the layers' products to at least this many rows.
   linear: decode steps' projections, "xla" or "pallas" (fused norm/matmul/epilogue kernels).
   tensor_parallel: devices the model is split over (`cg_jax.sharding`).
+  cache_write: decode steps' cache write with Pallas attention, "fused" or "scatter".
   compiler_options: XLA options applied to every executable (the graph mode's, plus extras).
   """
 
@@ -63,6 +64,7 @@ class EngineConfig:
   min_matmul_rows: int = 8
   linear: str = "xla"
   tensor_parallel: int = 1
+  cache_write: str = "fused"
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
@@ -154,6 +156,9 @@ class Engine:
       projection, the KV cache split by KV head. It must divide the heads, KV heads and MLP
       width; needs linear="xla". Everything else (buckets, graphs, sampling, streaming,
       swapping) is unchanged.
+    cache_write: with Pallas attention and unrolled layers, "fused" (default): the decode
+      attention kernel also stores the step's new key and value, in place in the donated cache;
+      "scatter": an XLA scatter per layer writes them first (the XLA backend always scatters).
     compiler_options: extra XLA options for every executable, on top of the graph mode's.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off.
@@ -167,7 +172,7 @@ class Engine:
                prompt_buckets: Sequence[int] | None = None, attention: str | None = None,
                layer_loop: str | None = None, graphs: str = "xla-default",
                decode_loop_steps: int = 16, readback_lag: int = 2, min_matmul_rows: int = 8,
-               linear: str = "xla", tensor_parallel: int = 1,
+               linear: str = "xla", tensor_parallel: int = 1, cache_write: str = "fused",
                compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):
@@ -201,12 +206,14 @@ class Engine:
         or not 1 <= min_matmul_rows <= 64):
       raise ValueError(f"min_matmul_rows must be an int in [1, 64], got {min_matmul_rows!r}")
     check_linear_backend(config, linear)
+    if cache_write not in CACHE_WRITES:
+      raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {cache_write!r}")
     check_tensor_parallel(config, tensor_parallel, linear)
     self.config = EngineConfig(
         max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
         graphs=graphs, decode_loop_steps=decode_loop_steps, readback_lag=readback_lag,
         min_matmul_rows=min_matmul_rows, linear=linear, tensor_parallel=tensor_parallel,
-        compiler_options=tuple(sorted(options.items())))
+        cache_write=cache_write, compiler_options=tuple(sorted(options.items())))
     self._parallel = TensorParallel.over(tensor_parallel) if tensor_parallel > 1 else None
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
@@ -236,7 +243,7 @@ class Engine:
     self._split = SplitModel.from_state(graphdef, state)
     mesh = None if self._parallel is None else self._parallel.mesh
     self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps,
-                                min_matmul_rows, linear, mesh)
+                                min_matmul_rows, linear, mesh, cache_write)
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
     self._cache: KVCache | None = None
@@ -294,6 +301,7 @@ class Engine:
                    readback_lag=self.config.readback_lag,
                    min_matmul_rows=self.config.min_matmul_rows, linear=self.config.linear,
                    tensor_parallel=self.config.tensor_parallel,
+                   cache_write=self.config.cache_write,
                    compiler_options=self._extra_compiler_options)
     options.update(engine_options)
     engine = Engine(self.model_config, self.weights(), **options)
@@ -453,6 +461,7 @@ class Engine:
         "min_matmul_rows": self.config.min_matmul_rows,
         "linear": self.config.linear,
         "tensor_parallel": self.config.tensor_parallel,
+        "cache_write": self.config.cache_write,
         "compiler_options": dict(self.config.compiler_options),
         "max_seq_len": self.config.max_seq_len,
         "batch_buckets": self.config.buckets.batch_sizes,

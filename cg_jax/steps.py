@@ -78,6 +78,7 @@ class StepFunctions:
     min_matmul_rows: decode steps run the layers' products on at least this many rows.
     linear: decode steps' projections, "xla" or "pallas" (fused kernels).
     mesh: the tensor-parallel mesh (`cg_jax.sharding`), or None on one device.
+    cache_write: decode steps' cache write, "fused" into the Pallas attention or "scatter".
   """
 
   split: SplitModel
@@ -87,11 +88,13 @@ class StepFunctions:
   min_matmul_rows: int = 8
   linear: str = "xla"
   mesh: Any = None
+  cache_write: str = "fused"
 
   @property
   def _model_options(self):
     return {"attention": self.attention, "layer_loop": self.layer_loop,
-            "min_matmul_rows": self.min_matmul_rows, "linear": self.linear, "mesh": self.mesh}
+            "min_matmul_rows": self.min_matmul_rows, "linear": self.linear, "mesh": self.mesh,
+            "cache_write": self.cache_write}
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)

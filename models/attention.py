@@ -138,8 +138,12 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
   return _softmax_attention(q[:, None], k_cache, v_cache, mask, sm_scale)[:, 0]
 
 
+CACHE_WRITES = ("fused", "scatter")
+
+
 def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, layer,
-                               sm_scale: float, backend: Backend = "xla", mesh=None):
+                               sm_scale: float, backend: Backend = "xla", mesh=None,
+                               cache_write: str = "fused"):
   """Write one new token's key and value per row into layer `layer` of the stacked caches and
   attend to the cache up to and including it.
 
@@ -150,11 +154,11 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
   Returns:
     (out [B, Hq, D], k_all, v_all) with the new keys and values written.
 
-  With the Pallas backend and a static layer, one kernel does both
+  With the Pallas backend, a static layer and cache_write="fused", one kernel does both
   (`decode_attention_with_write`: the caches are updated in place, no scatter kernels); otherwise
-  the write is an XLA scatter followed by `decode_attention`.
+  (cache_write="scatter") the write is an XLA scatter followed by `decode_attention`.
   """
-  if backend == "pallas" and isinstance(layer, int):
+  if backend == "pallas" and isinstance(layer, int) and cache_write == "fused":
     from cg_jax.kernels.decode_attention import decode_attention_with_write
 
     def kernel(q, k_new, v_new, k_all, v_all, lengths):

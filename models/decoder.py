@@ -386,7 +386,7 @@ class Decoder(nnx.Module):
 
   def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
              layer_loop: str = "scan", min_matmul_rows: int = 1, linear: str = "xla",
-             mesh=None):
+             mesh=None, cache_write: str = "fused"):
     """One decode step: each row's token is written at its own position and attends to the
     cache up to and including it.
 
@@ -403,6 +403,9 @@ class Decoder(nnx.Module):
       mesh: a 1-D tensor-parallel mesh (`cg_jax.sharding`): the weights are in its shard-major
         layout and split over it, the cache by KV head; the Pallas attention kernels then run per
         device. None on one device.
+      cache_write: "fused" (the Pallas attention kernel stores the new key/value itself, in
+        place) or "scatter" (an XLA scatter per layer before attention); see
+        `models.attention.decode_attention_and_write`.
     Returns:
       (float32 [B, V] next-token logits, updated cache).
     """
@@ -418,7 +421,7 @@ class Decoder(nnx.Module):
         # q [P, 1, N, H]; k, v [P, 1, K, H]: the real rows [0, B) -> cache[layer, b, positions[b]]
         out, cache_out["k"], cache_out["v"] = decode_attention_and_write(
             q[:batch, 0], k[:batch, 0], v[:batch, 0], k_all, v_all, positions, layer=layer,
-            sm_scale=self._sm_scale, backend=attention, mesh=mesh)
+            sm_scale=self._sm_scale, backend=attention, mesh=mesh, cache_write=cache_write)
         # [B, 1, N, H] -> [P, 1, N, H], the padding rows zero
         return jnp.pad(out[:, None], ((0, padded - batch), (0, 0), (0, 0), (0, 0)))
 

@@ -20,6 +20,10 @@ def test_pallas_and_xla_agree(model):
   # Unrolled layers pass the stacked cache and a static layer to the kernel (no slice copy).
   unrolled = xla.with_options(attention="pallas", layer_loop="unroll")
   assert unrolled.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
+  # ... whose new keys/values the kernel stores itself ("fused"), or XLA scatters first.
+  assert unrolled.stats()["cache_write"] == "fused"
+  scattered = unrolled.with_options(cache_write="scatter")
+  assert scattered.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
   tokens = np.random.default_rng(0).integers(0, 263, (2, 21)).tolist()
   assert_close_relative(pallas.logits(tokens), xla.logits(tokens), RELATIVE_TOLERANCE["float32"],
                         "pallas logits")
