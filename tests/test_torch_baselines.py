@@ -56,12 +56,12 @@ def test_divergence_without_a_tie_is_flagged():
   assert not check["divergence_at_near_tie"] and check["logits_max_rel_diff"] == 1.0
 
 
-def test_float32_logits_follow_the_eager_trajectory():
-  """float32_logits re-runs the eager loop's steps with its tokens: on a float32 model it gives
+def test_float32_reference_follows_the_eager_trajectory():
+  """float32_reference re-runs the eager loop's steps with its tokens: on a float32 model it gives
   the eager logits exactly (a token fed one step late or early would not); on a bfloat16 model
   the eager logits are within bfloat16 rounding of it."""
   from transformers import GPT2Config, GPT2LMHeadModel
-  from torch_baselines import EagerLoop, StaticDecoder, float32_logits
+  from torch_baselines import EagerLoop, StaticDecoder, float32_reference, written_kv
 
   config = GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=2)
   torch.manual_seed(0)
@@ -74,8 +74,10 @@ def test_float32_logits_follow_the_eager_trajectory():
       first = decoder.prefill(prompt)
       eager = EagerLoop(decoder, first, 12)
       reference = eager.run(5, collect=True)
-      exact = float32_logits(model, prompt, first, 12, 32, reference)
-    assert len(exact) == 5
+      kv = written_kv(decoder, 12, 5).clone()
+      exact, exact_kv = float32_reference(model, prompt, first, 12, 32, reference)
+    assert len(exact) == 5 and exact_kv.shape == kv.shape
+    assert float((kv - exact_kv).abs().max() / exact_kv.abs().max()) <= tolerance, dtype
     for (_, logits), logits32 in zip(reference, exact):
       error = float((logits - logits32).abs().max() / logits32.abs().max())
       assert error <= tolerance, (dtype, error)
