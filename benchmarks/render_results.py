@@ -4,10 +4,13 @@ and the cg_jax-against-PyTorch comparison as a table and a PNG plot.
   python benchmarks/render_results.py attention benchmarks/results/attention_h200.json
   python benchmarks/render_results.py io benchmarks/results/io_h200.json
   python benchmarks/render_results.py dispatch benchmarks/results/dispatch_h200.json
+  python benchmarks/render_results.py tp benchmarks/results/tp_h200.json
   python benchmarks/render_results.py comparison benchmarks/results/baselines_h200.json \\
-      benchmarks/results/graphs_h200.json benchmarks/results/graphs_xla_attention_h200.json
+      benchmarks/results/graphs_xla_attention_h200.json benchmarks/results/graphs_h200.json \\
+      benchmarks/results/graphs_fused_write_h200.json
 
-Each writes <first json without .json>.md (comparison: comparison_h200.md and .png).
+Each writes <first json without .json>.md (comparison: comparison_h200.md and .png; of the
+graphs files, later ones override earlier ones' rows of the same cell).
 """
 
 from __future__ import annotations
@@ -132,48 +135,82 @@ def dispatch(rows: list[dict]) -> list[str]:
   return out
 
 
+def tensor_parallel(rows: list[dict]) -> list[str]:
+  out = _header(rows, "Tensor-parallel decode step")
+  out += [f"bfloat16, random weights, Pallas attention, unrolled layers, graphs `full` (and `full` "
+          f"with XLA's COLLECTIVES command type), KV cache {rows[0]['max_seq_len']} long, decode "
+          f"at position {rows[0]['position']}; medians of pipelined steps. Kernels and graph "
+          "launches per step are summed over the devices' traces; floor = the one-GPU HBM floor "
+          "over the devices; tokens / logits = greedy tokens equal to, and the full forward's "
+          "max relative logits difference from, the one-GPU engine.", "",
+          "| model | GPUs | mode | batch | step us | floor us | vs 1 GPU | dispatch us | "
+          "kernels/step | graph launches/step | idle share | tokens equal | logits rel diff |",
+          "|---" * 13 + "|"]
+  one_gpu = {(r["model"], r["batch"]): r["step_us"] for r in rows
+             if r.get("tensor_parallel") == 1 and r.get("status") != "failed"}
+  for r in rows:
+    if r.get("status") == "failed":
+      out.append(f"| {r['model']} | {r['tensor_parallel']} | {r['mode']} | failed: "
+                 f"{r['error'][:200]} |")
+      continue
+    base = one_gpu.get((r["model"], r["batch"]))
+    ratio = "-" if base is None else f"{r['step_us'] / base:.2f}x"
+    out.append(f"| {r['model']} | {r['tensor_parallel']} | {r['mode']} | {r['batch']} | "
+               f"{r['step_us']:.1f} | {r['floor_us']:.0f} | {ratio} | "
+               f"{r['host_dispatch_wall_us']:.1f} | {r['kernels_per_step']:.0f} | "
+               f"{r['graph_launches_per_step']:.0f} | {r['idle_gap_share']:.2f} | "
+               f"{'yes' if r['tokens_match_one_gpu'] else 'NO'} | "
+               f"{r['logits_rel_error_vs_one_gpu']:.1e} |")
+  return out
+
+
 def _cg_jax_rows(paths: list[str]) -> list[dict]:
+  """cg_jax's `full`-mode rows with its default cache write, later files overriding earlier."""
   rows = []
   for path in paths:
     for r in json.load(open(path)):
-      if r.get("mode") == "full" and r.get("layer_loop") == "unroll":
-        rows.append(dict(r, system=f"cg_jax ({r.get('attention', 'xla')} attention)"))
+      if (r.get("mode") == "full" and r.get("layer_loop") == "unroll"
+          and r.get("cache_write") != "scatter" and r.get("status") != "failed"):
+        rows.append(dict(r, system=f"cg_jax ({r.get('attention', 'xla')} attention)",
+                         max_len=r["max_seq_len"]))
   return rows
 
 
 def comparison(baseline_path: str, graph_paths: list[str], md_path: str, png_path: str):
-  baselines = [r for r in json.load(open(baseline_path))]
+  baselines = [dict(r, max_len=r.get("max_len", 1024)) for r in json.load(open(baseline_path))]
   ours = _cg_jax_rows(graph_paths)
   rows = baselines + ours
-  floors = {(r["model"], r["batch"]): r["floor_us"] for r in ours}
+  floors = {(r["model"], r["max_len"], r["batch"]): r["floor_us"] for r in ours}
   systems = sorted({r["system"] for r in rows}, key=lambda s: (not s.startswith("cg_jax"), s))
-  cells = sorted({(r["model"], r["batch"]) for r in rows})
-  step = {(r["system"], r["model"], r["batch"]): r.get("step_us") for r in rows
-          if r.get("max_len", r.get("max_seq_len")) == 1024}
+  # (model, cache length, batch)
+  cells = sorted({(r["model"], r["max_len"], r["batch"]) for r in rows})
+  step = {(r["system"], r["model"], r["max_len"], r["batch"]): r.get("step_us") for r in rows}
   out = _header(baselines + ours, "Decode step: cg_jax against PyTorch and HF transformers")
-  out += ["bfloat16, random weights (the same files for every system), KV cache 1024 long, decode "
+  out += ["bfloat16, random weights (the same files for every system), KV cache T long, decode "
           "at position 512; medians; us per step (HF generate: per token). cg_jax: graphs `full`, "
-          "unrolled layers, pipelined steps. floor = (weights + valid KV bytes) / 4.2 TB/s. "
-          "`-` = not run yet or failed (see the JSON rows' `status` and `error`).", "",
-          "| model | batch | floor us | " + " | ".join(systems) + " | best cg_jax vs best other |",
-          "|---|---|---|" + "---|" * len(systems) + "---|"]
-  for model, batch in cells:
-    values = [step.get((s, model, batch)) for s in systems]
+          "unrolled layers, pipelined steps, latest commit's rows. floor = (weights + valid KV "
+          "bytes) / 4.2 TB/s. `-` = not run (see the JSON rows' `status` and `error`).", "",
+          "| model | T | batch | floor us | " + " | ".join(systems)
+          + " | best cg_jax vs best other |",
+          "|---|---|---|---|" + "---|" * len(systems) + "---|"]
+  for model, max_len, batch in cells:
+    values = [step.get((s, model, max_len, batch)) for s in systems]
     ours_best = min((v for s, v in zip(systems, values) if v and s.startswith("cg_jax")),
                     default=None)
     other_best = min((v for s, v in zip(systems, values) if v and not s.startswith("cg_jax")),
                      default=None)
     ratio = "-" if not (ours_best and other_best) else f"{other_best / ours_best:.2f}x"
-    out.append(f"| {model} | {batch} | {_fmt(floors.get((model, batch)))} | "
+    out.append(f"| {model} | {max_len} | {batch} | {_fmt(floors.get((model, max_len, batch)))} | "
                + " | ".join(_fmt(v) for v in values) + f" | {ratio} |")
-  ttft = {(r["system"], r["model"], r["batch"]): r.get("ttft_ms") for r in rows
-          if r.get("max_len", r.get("max_seq_len")) == 1024}
+  ttft = {(r["system"], r["model"], r["max_len"], r["batch"]): r.get("ttft_ms") for r in rows}
   out += ["", "Time to first token (ms): prefill of a 512-token prompt per row and the first "
           "greedy token, on the device (no host read-back); HF generate: one new token.", "",
-          "| model | batch | " + " | ".join(systems) + " |", "|---|---|" + "---|" * len(systems)]
-  for model, batch in cells:
-    out.append(f"| {model} | {batch} | "
-               + " | ".join(_fmt(ttft.get((s, model, batch)), 2) for s in systems) + " |")
+          "| model | T | batch | " + " | ".join(systems) + " |",
+          "|---|---|---|" + "---|" * len(systems)]
+  for model, max_len, batch in cells:
+    out.append(f"| {model} | {max_len} | {batch} | "
+               + " | ".join(_fmt(ttft.get((s, model, max_len, batch)), 2) for s in systems)
+               + " |")
   with open(md_path, "w") as f:
     f.write("\n".join(out) + "\n")
 
@@ -184,16 +221,16 @@ def comparison(baseline_path: str, graph_paths: list[str], md_path: str, png_pat
   fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cells)), 4.5))
   width = 0.8 / len(systems)
   for i, system in enumerate(systems):
-    values = [step.get((system, m, b)) or 0 for m, b in cells]
+    values = [step.get((system, *cell)) or 0 for cell in cells]
     ax.bar([c + i * width for c in range(len(cells))], values, width, label=system)
   ax.scatter([c + 0.4 - width / 2 for c in range(len(cells))],
              [floors.get(cell, 0) for cell in cells], marker="_", s=400, color="k",
              label="HBM floor", zorder=3)
   ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cells))])
-  ax.set_xticklabels([f"{m}\nB={b}" for m, b in cells])
+  ax.set_xticklabels([f"{m}\nT={t} B={b}" for m, t, b in cells], fontsize=7)
   ax.set_yscale("log")
   ax.set_ylabel("decode step (us, log)")
-  ax.set_title(f"Decode step on {baselines[0].get('gpu')}, bf16, position 512 of 1024")
+  ax.set_title(f"Decode step on {baselines[0].get('gpu')}, bf16, position 512")
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(png_path, dpi=110)
@@ -207,7 +244,8 @@ def main(argv: list[str]) -> None:
                os.path.join(directory, "comparison_h200.png"))
     return
   rows = json.load(open(paths[0]))
-  lines = {"attention": attention, "io": io, "dispatch": dispatch}[kind](rows)
+  lines = {"attention": attention, "io": io, "dispatch": dispatch,
+           "tp": tensor_parallel}[kind](rows)
   with open(paths[0][:-len(".json")] + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
 
