@@ -411,6 +411,34 @@ def compare_to_eager(reference: list, reference_kv: torch.Tensor, candidate: lis
               kv_max_rel_diff=kv_diff)
 
 
+def check_against_float32(check: dict, reference: list, reference_kv: torch.Tensor,
+                          candidate: list, candidate_kv: torch.Tensor,
+                          exact_logits: list[torch.Tensor], exact_kv: torch.Tensor) -> dict:
+  """Asserts that a candidate loop that differs from eager (`check`, from `compare_to_eager`) is
+  as accurate as eager against float32 (`float32_reference` of the steps computed from equal
+  inputs): its logits' and written K/V's max relative error at most 1.25x eager's (or the graph
+  tolerance). Returns the four errors."""
+  divergent = check["first_divergent_step"]
+  equal = len(exact_logits)
+  errors = {
+      "logits": {name: max(relative_max_diff(exact_logits[i], run[i][1]) for i in range(equal))
+                 for name, run in (("eager", reference), ("graph", candidate))},
+      "kv": {name: relative_max_diff(exact_kv, kv[..., :equal, :])
+             for name, kv in (("eager", reference_kv), ("graph", candidate_kv))}}
+  result = {}
+  for quantity, error in errors.items():
+    result[f"{quantity}_fp32_rel_err_eager"] = error["eager"]
+    result[f"{quantity}_fp32_rel_err_graph"] = error["graph"]
+    print(f"  {quantity} against float32: eager {error['eager']:.2e}, graph {error['graph']:.2e}",
+          flush=True)
+    assert error["graph"] <= max(GRAPH_RELATIVE_TOLERANCE, 1.25 * error["eager"]), (
+        f"torch_cuda_graph: {quantity} differ from torch_eager by "
+        f"{check[f'{quantity}_max_rel_diff']:.2e} of their max (greedy tokens "
+        f"{'identical' if divergent is None else f'diverge at step {divergent}'}), and from "
+        f"float32 by {error['graph']:.2e} (eager: {error['eager']:.2e})")
+  return result
+
+
 # ------------------------------------------------------------------------------------------------
 # Systems
 
@@ -473,23 +501,9 @@ def run_decode_system(system: str, model, prompt: torch.Tensor, args, device) ->
       equal = (len(reference) - 1 if divergent is None else divergent) + 1
       exact_logits, exact_kv = float32_reference(model, prompt, first_tokens, args.position,
                                                  args.max_len, reference[:equal])
-      graph_kv = written_kv(decoder, args.position, equal)
-      errors = {
-          "logits": {name: max(relative_max_diff(exact_logits[i], run[i][1])
-                               for i in range(equal))
-                     for name, run in (("eager", reference), ("graph", replayed))},
-          "kv": {name: relative_max_diff(exact_kv, kv[..., :equal, :])
-                 for name, kv in (("eager", reference_kv), ("graph", graph_kv))}}
-      for quantity, error in errors.items():
-        result[f"{quantity}_fp32_rel_err_eager"] = error["eager"]
-        result[f"{quantity}_fp32_rel_err_graph"] = error["graph"]
-        print(f"  {quantity} against float32: eager {error['eager']:.2e}, "
-              f"graph {error['graph']:.2e}", flush=True)
-        assert error["graph"] <= max(GRAPH_RELATIVE_TOLERANCE, 1.25 * error["eager"]), (
-            f"torch_cuda_graph: {quantity} differ from torch_eager by "
-            f"{check[f'{quantity}_max_rel_diff']:.2e} of their max (greedy tokens "
-            f"{'identical' if divergent is None else f'diverge at step {divergent}'}), and from "
-            f"float32 by {error['graph']:.2e} (eager: {error['eager']:.2e})")
+      result.update(check_against_float32(
+          check, reference, reference_kv, replayed, written_kv(decoder, args.position, equal),
+          exact_logits, exact_kv))
     if loop.graph is None:
       raise SkipSystem("CUDA graphs need a GPU; the graph body was checked against torch_eager "
                        "eagerly on the CPU, no time reported", result)

@@ -1,6 +1,6 @@
 """The PyTorch baseline harness' correctness check (benchmarks/torch_baselines.py): logits and K/V
-are compared only on steps computed from equal inputs, and a token divergence passes only at a
-near tie."""
+are compared only on steps computed from equal inputs, a token divergence passes only at a near
+tie, and a graph that rounds apart from eager must be as close to float32 as eager is."""
 
 import os
 import sys
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
-from torch_baselines import compare_to_eager  # noqa: E402
+from torch_baselines import check_against_float32, compare_to_eager  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -54,6 +54,33 @@ def test_divergence_without_a_tie_is_flagged():
   kv = _kv(1, 2)
   check = compare_to_eager(_run(eager), kv, _run(graph), kv.clone(), "broken")
   assert not check["divergence_at_near_tie"] and check["logits_max_rel_diff"] == 1.0
+
+
+def test_float32_judges_a_graph_that_rounds_apart_from_eager():
+  """A graph whose logits and K/V differ from eager beyond the tolerance passes when it is as
+  close to float32 as eager is, and fails when it is markedly further (logits or K/V)."""
+  generator = torch.Generator().manual_seed(3)
+  exact = [torch.randn(1, 50, generator=generator) for _ in range(3)]
+  exact_kv = torch.randn(4, 1, 2, 3, 8, generator=generator)
+
+  def rounded(scale, seed):  # float32 plus noise of `scale` x its max
+    noise = torch.Generator().manual_seed(seed)
+    logits = [l + scale * l.abs().max() * torch.randn(l.shape, generator=noise) / 3
+              for l in exact]
+    kv = exact_kv + scale * exact_kv.abs().max() * torch.randn(exact_kv.shape, generator=noise) / 3
+    return [(l.argmax(-1), l) for l in logits], kv
+
+  eager, eager_kv = rounded(0.02, 4)
+  graph, graph_kv = rounded(0.02, 5)
+  check = compare_to_eager(eager, eager_kv, graph, graph_kv, "rounded apart")
+  assert check["kv_max_rel_diff"] > 1e-2
+  errors = check_against_float32(check, eager, eager_kv, graph, graph_kv, exact, exact_kv)
+  assert errors["kv_fp32_rel_err_graph"] <= 1.25 * errors["kv_fp32_rel_err_eager"]
+  worse, worse_kv = rounded(0.2, 6)
+  for candidate, candidate_kv, what in ((worse, graph_kv, "logits"), (graph, worse_kv, "kv")):
+    check = compare_to_eager(eager, eager_kv, candidate, candidate_kv, "worse")
+    with pytest.raises(AssertionError, match=f"{what} differ from torch_eager"):
+      check_against_float32(check, eager, eager_kv, candidate, candidate_kv, exact, exact_kv)
 
 
 def test_float32_reference_follows_the_eager_trajectory():
