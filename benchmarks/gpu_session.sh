@@ -21,6 +21,8 @@
 #   graphs-long    full mode, llama-3.2-1b with a 4096-long cache (position 512)
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
+#   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
+#                  (comparison_session.py; resumable: call again on the warm machine for the rest)
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
 parts=${2:-attention,io,graphs-pallas}
@@ -122,6 +124,11 @@ if has matmul-rows; then  # the step with XLA products on 1/8/16 rows, and fused
 fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py
+fi
+if has comparison; then
+  echo "=== comparison ($(date +%T)) ==="
+  python3 benchmarks/comparison_session.py --out "$out" --deadline-s "${DEADLINE_S:-540}" 2>&1 \
+    | grep -v -i warning | tail -40
 fi
 if has baselines; then
   echo "=== baselines ($(date +%T)) ==="

@@ -53,6 +53,9 @@ def main():
                       help="prompt length of the time-to-first-token rows (0: not measured)")
   parser.add_argument("--linears", default="xla",
                       help="comma list of Engine(linear=...) projection backends to compare")
+  parser.add_argument("--checkpoint-dir", default=None,
+                      help="load <dir>/<model> (benchmarks/make_checkpoints.py: the files the "
+                           "PyTorch baselines load) instead of the preset's random weights")
   parser.add_argument("--cache-writes", default="fused",
                       help="comma list of Engine(cache_write=...) values to compare")
   args = parser.parse_args()
@@ -60,13 +63,15 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   meta = dict(system="cg_jax", gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
               attention=args.attention,
+              weights="checkpoint" if args.checkpoint_dir else "random (preset seed 0)",
               commit=git_commit(), date=datetime.date.today().isoformat(), dtype="bfloat16",
               position=args.position, max_seq_len=args.max_seq_len)
   rows = []
   prompt = [[11, 22, 33, 44, 55, 66, 77]]
   for model in args.models.split(","):
     prompt_buckets = (16, args.ttft_len) if args.ttft_len > 16 else (16,)
-    base = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=batches,
+    source = os.path.join(args.checkpoint_dir, model) if args.checkpoint_dir else model
+    base = Engine.from_pretrained(source, dtype="bfloat16", batch_buckets=batches,
                                   prompt_buckets=prompt_buckets, max_seq_len=args.max_seq_len,
                                   attention=args.attention, compilation_cache=False)
     reference_tokens = None

@@ -186,8 +186,9 @@ def comparison(baseline_path: str, graph_paths: list[str], md_path: str, png_pat
   cells = sorted({(r["model"], r["max_len"], r["batch"]) for r in rows})
   step = {(r["system"], r["model"], r["max_len"], r["batch"]): r.get("step_us") for r in rows}
   out = _header(baselines + ours, "Decode step: cg_jax against PyTorch and HF transformers")
+  position = next((r["position"] for r in rows if r.get("position")), "-")
   out += ["bfloat16, random weights (the same files for every system), KV cache T long, decode "
-          "at position 512; medians; us per step (HF generate: per token). cg_jax: graphs `full`, "
+          f"at position {position}; medians; us per step (HF generate: per token). cg_jax: graphs `full`, "
           "unrolled layers, pipelined steps, latest commit's rows. floor = (weights + valid KV "
           "bytes) / 4.2 TB/s. `-` = not run (see the JSON rows' `status` and `error`).", "",
           "| model | T | batch | floor us | " + " | ".join(systems)
@@ -230,7 +231,7 @@ def comparison(baseline_path: str, graph_paths: list[str], md_path: str, png_pat
   ax.set_xticklabels([f"{m}\nT={t} B={b}" for m, t, b in cells], fontsize=7)
   ax.set_yscale("log")
   ax.set_ylabel("decode step (us, log)")
-  ax.set_title(f"Decode step on {baselines[0].get('gpu')}, bf16, position 512")
+  ax.set_title(f"Decode step on {baselines[0].get('gpu')}, bf16, position {position}")
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(png_path, dpi=110)
