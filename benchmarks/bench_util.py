@@ -69,3 +69,10 @@ def write_rows(out_dir: str, name: str, rows: list) -> str:
   with open(path, "w") as f:
     json.dump(rows, f, indent=1)
   return path
+
+
+def failed_row(meta: dict, error: BaseException, label: str, **fields) -> dict:
+  """A row for a configuration that raised (the run goes on with the next one): prints it."""
+  message = f"{type(error).__name__}: {error}"[:2000]
+  print(f"{label}: FAILED {message[:300]}", flush=True)
+  return dict(meta, **fields, status="failed", error=message)

@@ -20,7 +20,7 @@ import time
 
 import jax
 
-from bench_util import HBM_BYTES_PER_S, git_commit, write_rows
+from bench_util import HBM_BYTES_PER_S, failed_row, git_commit, write_rows
 from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
 
@@ -138,12 +138,10 @@ def main():
                   f"idle {row['idle_gap_share']:.2f} floor {row['floor_us']:.0f} "
                   f"match {row['tokens_match_reference']} compile {compile_s:.0f}s", flush=True)
         except Exception as error:  # noqa: BLE001 -- a failed configuration is a row
-          message = f"{type(error).__name__}: {error}"[:2000]
-          print(f"{model} {layer_loop} {mode} {linear} {cache_write} rows>={matmul_rows}: FAILED "
-                f"{message[:300]}", flush=True)
-          rows.append(dict(meta, mode=mode, layer_loop=layer_loop, model=model, batch=None,
-                          min_matmul_rows=matmul_rows, linear=linear, cache_write=cache_write,
-                          status="failed", error=message))
+          rows.append(failed_row(
+              meta, error, f"{model} {layer_loop} {mode} {linear} {cache_write} "
+              f"rows>={matmul_rows}", mode=mode, layer_loop=layer_loop, model=model, batch=None,
+              min_matmul_rows=matmul_rows, linear=linear, cache_write=cache_write))
           write_rows(args.out, "graphs_rows.json", rows)
         engine = None
     del base

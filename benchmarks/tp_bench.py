@@ -24,7 +24,7 @@ import os
 import jax
 import numpy as np
 
-from bench_util import git_commit, relative_error, write_rows
+from bench_util import failed_row, git_commit, relative_error, write_rows
 from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
 from graphs_bench import floor_us as one_gpu_floor_us
@@ -101,10 +101,8 @@ def main():
                   f"floor {row['floor_us']:6.0f} tokens_equal {row['tokens_match_one_gpu']} "
                   f"logits_err {logits_error:.1e}", flush=True)
         except Exception as error:  # noqa: BLE001 -- a failed configuration is a row
-          message = f"{type(error).__name__}: {error}"[:2000]
-          print(f"{model} tp={devices} {variant}: FAILED {message[:300]}", flush=True)
-          rows.append(dict(meta, mode=variant, model=model, tensor_parallel=devices,
-                           status="failed", error=message))
+          rows.append(failed_row(meta, error, f"{model} tp={devices} {variant}", mode=variant,
+                                 model=model, tensor_parallel=devices))
           write_rows(args.out, "tp_rows.json", rows)
   print(f"\n{'model':13s} {'tp':>2s} {'mode':17s} {'B':>3s} {'step_us':>9s} {'floor_us':>8s} "
         f"{'graphs':>6s} {'tokens_equal':>12s}")
