@@ -6,8 +6,9 @@ Pallas attention, unrolled layers, KV cache 1024 long, decode at position 512 (C
 XLA_FLAGS=--xla_force_host_platform_device_count=2 ... --models tiny-gpt2 --batches 1,2
 --max-seq-len 64 --position 32 --steps 2: on a small CPU many back-to-back steps with
 collectives can starve XLA's CPU all-reduce rendezvous). Graph modes:
-`full`, and `full` with XLA's COLLECTIVES command type (the all-reduces inside the CUDA graph;
-XLA's COLLECTIVES command has known problems, so it is measured rather than assumed).
+`full`, and `full` with XLA's COLLECTIVES command type and NCCL all-reduces instead of XLA's
+collective kernels (async or synchronous), to put the all-reduces inside the CUDA graph; XLA's
+COLLECTIVES command has known problems, so it is measured rather than assumed.
 Per row: step latency (pipelined), host dispatch, kernels and graph launches per step (summed
 over the devices' traces), the per-device HBM floor, greedy tokens and full-forward logits
 against the one-GPU engine. Rows to JSON, a table last.
@@ -29,10 +30,19 @@ from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
 from graphs_bench import floor_us as one_gpu_floor_us
 
-# The `full` command types plus COLLECTIVES, as an extra per-executable option.
+# The `full` command types plus COLLECTIVES, as an extra per-executable option. Measured on two
+# H200s (results/tp_h200.md): alone it changes nothing (33 graphs per device per step), since
+# jax 0.11.2 runs small NVLink all-reduces as XLA's own collective kernels
+# (`xla_gpu_experimental_use_collective_kernels`), which a command buffer cannot record. Turning
+# those off leaves NCCL all-reduces, which COLLECTIVES can capture (async start/done regions, or
+# synchronous ones with `xla_gpu_disable_async_collectives`).
 WITH_COLLECTIVES = {"xla_gpu_enable_command_buffer":
                     GRAPH_MODES["full"]["xla_gpu_enable_command_buffer"] + ",COLLECTIVES"}
-VARIANTS = {"full": {}, "full+collectives": WITH_COLLECTIVES}
+NCCL_IN_GRAPH = dict(WITH_COLLECTIVES, xla_gpu_experimental_use_collective_kernels="",
+                     xla_gpu_enable_collectives_command_buffer_filter="ALLREDUCE")
+VARIANTS = {"full": {}, "full+collectives": WITH_COLLECTIVES, "full+nccl-graph": NCCL_IN_GRAPH,
+            "full+nccl-graph-sync": dict(NCCL_IN_GRAPH,
+                                         xla_gpu_disable_async_collectives="ALLREDUCE")}
 
 
 def floor_us(engine: Engine, batch: int, position: int) -> float:
@@ -47,7 +57,8 @@ def main():
   parser.add_argument("--models", default="llama-3.2-1b,llama-3.2-3b")
   parser.add_argument("--devices", default="1,2")
   parser.add_argument("--batches", default="1,32")
-  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--variants", default="full,full+nccl-graph,full+nccl-graph-sync",
+                      help=f"comma list of {sorted(VARIANTS)}")
   parser.add_argument("--position", type=int, default=512)
   parser.add_argument("--max-seq-len", type=int, default=1024)
   parser.add_argument("--steps", type=int, default=64, help="decode steps per timed run")
