@@ -4,7 +4,10 @@ the XLA path and PyTorch `scaled_dot_product_attention` on the same inputs.
 Decode attention (B x T grid, Llama-3.2-1B heads: 32 query / 8 KV heads, D=64, bfloat16, every
 row full): achieved bandwidth = valid K/V bytes / time, against the 4.2 TB/s copy bandwidth.
 Prefill flash attention (S in 512, 2048, causal): TFLOP/s against the ~790 TFLOP/s bf16 matmul
-ceiling. Medians over repeats, compile time excluded. One process, rows to JSON, table last.
+ceiling. Decode step (`--parts decode-step`): the cache write + attention kernel over every
+layer of each model's stacked cache at the decode step's shapes (cache 1024, position 512), the
+default launch config against pinned splits and warp counts, per layer in-graph.
+Medians over repeats, compile time excluded. One process, rows to JSON, table last.
 
   PYTHONPATH=$PWD python3 benchmarks/attention_bench.py --out $OUT
 """
@@ -17,16 +20,20 @@ import datetime
 import functools
 import os
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 
 from bench_util import (HBM_BYTES_PER_S, fastest, git_commit, median_call_us, relative_error,
                         write_rows)
+from cg_jax.graphs import compiler_options
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
-                                             decode_attention_reference)
+                                             decode_attention_reference,
+                                             decode_attention_with_write, split_layout)
 from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attention,
                                             flash_attention_reference)
+from models.config import PRESETS
 
 BF16_FLOPS = 790e12
 # Launch settings searched per shape (the best is reported with its config).
@@ -37,6 +44,11 @@ DECODE_CONFIGS = tuple(
 PREFILL_CONFIGS = tuple(
     FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=warps)
     for block_q, block_k in ((64, 64), (128, 64), (64, 128), (128, 128)) for warps in (4, 8))
+# The decode step's cache write + attention, with the split pinned (min_programs=0).
+STEP_CONFIGS = tuple(
+    DecodeAttentionConfig(block_k=64, split_size=split, min_programs=0, num_warps=warps,
+                          num_stages=stages)
+    for split in (64, 128, 256, 512) for warps, stages in ((4, 2), (8, 2), (2, 1)))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
@@ -115,6 +127,78 @@ def decode_rows(batches, cache_lens, heads=32, kv_heads=8, head_dim=64):
       print(f"decode B={batch:<3d} T={cache_len:<6d} pallas {row['pallas_us']:8.1f} us "
             f"({100 * row['pallas_bandwidth_share']:5.1f}% of HBM) xla {row['xla_us']:8.1f} "
             f"torch {row['torch_sdpa_us'] or float('nan'):8.1f} err {error:.1e}", flush=True)
+  return rows
+
+
+def decode_step_us(config: DecodeAttentionConfig, inputs, calls: int = 10,
+                   rounds: int = 5) -> float:
+  """Per-layer time of `decode_attention_with_write` over every layer of a stacked cache, back to
+  back in one executable (graph mode `full`, the caches donated and carried from call to call),
+  as in the decode step: in-graph kernel time plus its launch gap."""
+  q, k_new, v_new, k_cache, v_cache, lengths = inputs
+  layers = k_cache.shape[0]
+
+  def step(q, k_new, v_new, k_cache, v_cache, lengths):
+    total = jnp.zeros((), jnp.float32)
+    for layer in range(layers):
+      out, k_cache, v_cache = decode_attention_with_write(
+          q, k_new, v_new, k_cache, v_cache, lengths, layer=layer, config=config,
+          interpret=INTERPRET)
+      total += out[0, 0, 0].astype(jnp.float32)  # keeps every layer's output alive
+    return total, k_cache, v_cache
+
+  compiled = jax.jit(step, donate_argnums=(3, 4)).lower(*inputs).compile(
+      compiler_options("full"))
+  total, k_cache, v_cache = compiled(q, k_new, v_new, k_cache, v_cache, lengths)
+  jax.block_until_ready(total)
+  times = []
+  for _ in range(1 if INTERPRET else rounds):
+    start = time.perf_counter()
+    for _ in range(1 if INTERPRET else calls):
+      total, k_cache, v_cache = compiled(q, k_new, v_new, k_cache, v_cache, lengths)
+    jax.block_until_ready(total)
+    times.append((time.perf_counter() - start) / (1 if INTERPRET else calls))
+  return statistics.median(times) * 1e6 / layers
+
+
+def decode_step_rows(models, batches, cache_len: int, position: int):
+  """The decode step's attention (with the cache write) at each model's heads over its layers:
+  the default launch config against pinned splits and warp counts; bytes = valid K/V read."""
+  rows = []
+  for model in models:
+    c = PRESETS[model]
+    for batch in batches:
+      keys = jax.random.split(jax.random.key(batch), 5)
+      q = jax.random.normal(keys[0], (batch, c.num_heads, c.head_dim), jnp.bfloat16)
+      k_new, v_new = (jax.random.normal(key, (batch, c.num_kv_heads, c.head_dim), jnp.bfloat16)
+                      for key in keys[1:3])
+      cache_shape = (c.num_layers, batch, cache_len, c.num_kv_heads, c.head_dim)
+      lengths = jnp.full((batch,), position + 1, jnp.int32)
+
+      def inputs():  # fresh caches: each timing donates its own
+        return (q, k_new, v_new, jax.random.normal(keys[3], cache_shape, jnp.bfloat16),
+                jax.random.normal(keys[4], cache_shape, jnp.bfloat16), lengths)
+
+      valid_bytes = 2 * batch * (position + 1) * c.num_kv_heads * c.head_dim * 2
+      floor = valid_bytes / HBM_BYTES_PER_S * 1e6
+      default = DecodeAttentionConfig()
+      default_us = decode_step_us(default, inputs())
+      timed = [(decode_step_us(config, inputs()), config) for config in STEP_CONFIGS]
+      best_us, best = min(timed, key=lambda t: t[0])
+      split, splits = split_layout(batch, c.num_kv_heads, cache_len, default)
+      rows.append(dict(kernel="decode_attention_with_write", model=model, batch=batch,
+                       cache_len=cache_len, length=position + 1, heads=c.num_heads,
+                       kv_heads=c.num_kv_heads, head_dim=c.head_dim, layers=c.num_layers,
+                       floor_us=floor, default_us=default_us, default_split=split,
+                       default_splits=splits, pallas_us=best_us,
+                       pallas_config=dataclasses.asdict(best),
+                       pallas_bandwidth_share=floor / best_us,
+                       all_us={f"split{t[1].split_size}_w{t[1].num_warps}_s{t[1].num_stages}":
+                               t[0] for t in timed}))
+      print(f"decode step {model:13s} B={batch:<3d} T={cache_len} len={position + 1}: default "
+            f"{default_us:6.1f} us/layer (split {split} x{splits}), best {best_us:6.1f} "
+            f"(split {best.split_size}, {best.num_warps} warps, {best.num_stages} stages), floor "
+            f"{floor:5.1f} ({100 * floor / best_us:4.1f}% of HBM)", flush=True)
   return rows
 
 
@@ -202,14 +286,19 @@ def main():
   parser.add_argument("--seq-lens", default="512,2048")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in the interpreter (CPU)")
   parser.add_argument("--parts", default="decode,prefill",
-                      help="comma list of decode, prefill, mosaic-probe (GPU only)")
+                      help="comma list of decode, decode-step, prefill, mosaic-probe (GPU only)")
+  parser.add_argument("--step-models", default="gpt2,gpt2-large,llama-3.2-1b",
+                      help="decode-step: model shapes (heads, layers)")
   args = parser.parse_args()
   if args.smoke:
     global INTERPRET
     INTERPRET = True
     global DECODE_CONFIGS, PREFILL_CONFIGS
+    global STEP_CONFIGS
     DECODE_CONFIGS, PREFILL_CONFIGS = DECODE_CONFIGS[:2], PREFILL_CONFIGS[:1]
+    STEP_CONFIGS = STEP_CONFIGS[:2]
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
+    args.step_models = "tiny-gpt2"
   commit = git_commit()
   meta = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, commit=commit,
               date=datetime.date.today().isoformat(), dtype="bfloat16")
@@ -218,6 +307,10 @@ def main():
   if "decode" in parts:
     rows += decode_rows([int(b) for b in args.batches.split(",")],
                         [int(t) for t in args.cache_lens.split(",")])
+  if "decode-step" in parts:
+    cache_len = int(args.cache_lens.split(",")[0])
+    rows += decode_step_rows(args.step_models.split(","),
+                             [int(b) for b in args.batches.split(",")], cache_len, cache_len // 2)
   if "prefill" in parts:
     rows += prefill_rows([int(s) for s in args.seq_lens.split(",")])
   if "mosaic-probe" in parts:
@@ -226,6 +319,11 @@ def main():
   write_rows(args.out, "attention_rows.json", rows)
   print("\nkernel           shape                pallas_us   xla_us  torch_us  share_of_ceiling")
   for r in rows:
+    if r["kernel"] == "decode_attention_with_write":
+      print(f"decode step      {r['model']} B={r['batch']} T={r['cache_len']}  default "
+            f"{r['default_us']:7.1f} best {r['pallas_us']:7.1f} us/layer  floor {r['floor_us']:5.1f} "
+            f"{r['pallas_bandwidth_share']:6.2f}")
+      continue
     if r["kernel"] == "mosaic_gpu_fa3_probe":
       print(f"{r['kernel']:16s} D={r.get('head_dim')} S={r.get('seq_len')} "
             f"{r.get('mosaic_us', float('nan')):9.1f} us")

@@ -12,6 +12,8 @@
 #   io-overlap, dispatch-loop, mosaic-probe, graphs-b32   short follow-ups (see below)
 #   io-offload     a 1 GB buffer offloaded to pinned host in chunks inside the decode steps
 #   attention-decode  the decode-attention rows of `attention` only
+#   attention-step the decode step's cache write + attention per model shape at B=8/32: default
+#                  launch config against pinned splits (the B=32 attention is 19 us/layer in gpt2)
 #   linear         decode projections in-graph: fused Pallas kernel against XLA
 #   matmul-rows    the step with XLA products on 1, 8 or 16 rows, and with fused Pallas ones
 #   graphs-all     every graph mode x model x batch with Pallas attention
@@ -112,6 +114,10 @@ if has graphs-long; then
 fi
 if has attention-decode; then
   run attention-decode 150 python3 benchmarks/attention_bench.py --parts decode
+fi
+if has attention-step; then
+  run attention-step 300 python3 benchmarks/attention_bench.py --parts decode-step --batches 8,32 \
+    --cache-lens 1024
 fi
 if has linear; then run linear 200 python3 benchmarks/linear_bench.py --batches 1,8; fi
 if has matmul-rows; then  # the step with XLA products on 1/8/16 rows, and fused Pallas ones
