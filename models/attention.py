@@ -148,18 +148,27 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
   attend to the cache up to and including it.
 
   Args:
-    q: [B, Hq, D]; k_new, v_new: [B, Hkv, D]; k_all, v_all: [L, B', T, Hkv, D] (B' >= B);
-    positions: int32 [B], where row b's new token goes (< T).
+    q: [P, Hq, D]; k_new, v_new: [P, Hkv, D]; k_all, v_all: [L, B', T, Hkv, D] (B' >= B);
+      rows [B, P) are padding (the decode step's hidden state padded to P rows): they get zeros
+      and write nothing.
+    positions: int32 [B], where real row b's new token goes (< T).
     layer: a Python int, or a traced index (scan).
   Returns:
-    (out [B, Hq, D], k_all, v_all) with the new keys and values written.
+    (out [P, Hq, D], k_all, v_all) with the new keys and values written.
 
   With the Pallas backend, a static layer and cache_write="fused", one kernel does both
-  (`decode_attention_with_write`: the caches are updated in place, no scatter kernels); otherwise
-  (cache_write="scatter") the write is an XLA scatter followed by `decode_attention`.
+  (`decode_attention_with_write`: the caches are updated in place, no scatter kernels), over all
+  P rows when the cache has that many (a padding row has length 0: no pad kernel afterwards);
+  otherwise (cache_write="scatter") the write is an XLA scatter followed by `decode_attention`
+  on the real rows, and the output is zero-padded back to P rows.
   """
+  padded, batch = q.shape[0], positions.shape[0]
   if backend == "pallas" and isinstance(layer, int) and cache_write == "fused":
     from cg_jax.kernels.decode_attention import decode_attention_with_write
+
+    rows = padded if padded <= k_all.shape[1] else batch
+    # [rows]: padding rows have length 0
+    lengths = jnp.pad(positions + 1, (0, rows - batch))
 
     def kernel(q, k_new, v_new, k_all, v_all, lengths):
       return decode_attention_with_write(q, k_new, v_new, k_all, v_all, lengths, layer=layer,
@@ -168,11 +177,14 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
       heads, cache = _heads(mesh, 3, 1), _heads(mesh, 5, 3)
       kernel = _over_head_shards(kernel, mesh, (heads, heads, heads, cache, cache, P()),
                                  (heads, cache, cache))
-    return kernel(q, k_new, v_new, k_all, v_all, positions + 1)
-  rows = jnp.arange(q.shape[0])
-  k_all = k_all.at[layer, rows, positions].set(k_new.astype(k_all.dtype))
-  v_all = v_all.at[layer, rows, positions].set(v_new.astype(v_all.dtype))
-  out = decode_attention(q, k_all, v_all, positions + 1, sm_scale=sm_scale, backend=backend,
-                         layer=layer, mesh=mesh)
+    out, k_all, v_all = kernel(q[:rows], k_new[:rows], v_new[:rows], k_all, v_all, lengths)
+  else:
+    index = jnp.arange(batch)
+    k_all = k_all.at[layer, index, positions].set(k_new[:batch].astype(k_all.dtype))
+    v_all = v_all.at[layer, index, positions].set(v_new[:batch].astype(v_all.dtype))
+    out = decode_attention(q[:batch], k_all, v_all, positions + 1, sm_scale=sm_scale,
+                           backend=backend, layer=layer, mesh=mesh)
+  if out.shape[0] < padded:  # [B, Hq, D] -> [P, Hq, D]
+    out = jnp.pad(out, ((0, padded - out.shape[0]), (0, 0), (0, 0)))
   return out, k_all, v_all
 

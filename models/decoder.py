@@ -418,12 +418,12 @@ class Decoder(nnx.Module):
       cache_out = {}
 
       def attend(q, k, v):
-        # q [P, 1, N, H]; k, v [P, 1, K, H]: the real rows [0, B) -> cache[layer, b, positions[b]]
+        # q [P, 1, N, H]; k, v [P, 1, K, H]: the real rows [0, B) -> cache[layer, b, positions[b]];
+        # the padding rows' outputs are zero
         out, cache_out["k"], cache_out["v"] = decode_attention_and_write(
-            q[:batch, 0], k[:batch, 0], v[:batch, 0], k_all, v_all, positions, layer=layer,
+            q[:, 0], k[:, 0], v[:, 0], k_all, v_all, positions, layer=layer,
             sm_scale=self._sm_scale, backend=attention, mesh=mesh, cache_write=cache_write)
-        # [B, 1, N, H] -> [P, 1, N, H], the padding rows zero
-        return jnp.pad(out[:, None], ((0, padded - batch), (0, 0), (0, 0), (0, 0)))
+        return out[:, None]
 
       if linear == "pallas":
         w, project = stacked, functools.partial(_fused_projection, layer=layer)

@@ -1,10 +1,11 @@
 """The model with attention="pallas" (kernels interpreted on CPU) equals attention="xla"."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from cg_jax import Engine
-from models.attention import default_backend
+from models.attention import decode_attention_and_write, default_backend
 from tests.helpers import RELATIVE_TOLERANCE, assert_close_relative
 
 
@@ -32,3 +33,44 @@ def test_pallas_and_xla_agree(model):
 def test_cpu_default_is_xla():
   assert default_backend() == "xla"
   assert Engine.from_pretrained("tiny-gpt2").stats()["attention"] == "xla"
+
+
+@pytest.mark.parametrize("cache_rows", [3, 5])
+def test_decode_write_keeps_padding_rows_out(cache_rows):
+  """decode_attention_and_write on 5 rows of which 2 are real: the real rows' outputs and cache
+  writes equal the XLA path's (float32), the padding rows give zeros and write nothing. With a
+  5-row cache the fused kernel runs over every row; with a 3-row cache over the real rows."""
+  rng = np.random.default_rng(cache_rows)
+  layers, max_len, heads, kv_heads, head_dim, padded = 2, 32, 4, 2, 16, 5
+  q, k_new, v_new = (jnp.asarray(rng.standard_normal((padded, h, head_dim)), jnp.float32)
+                     for h in (heads, kv_heads, kv_heads))
+  cache = [rng.standard_normal((layers, cache_rows, max_len, kv_heads, head_dim)).astype(np.float32)
+           for _ in range(2)]
+  positions = jnp.asarray([7, 30], jnp.int32)
+  results = {
+      backend: decode_attention_and_write(q, k_new, v_new, jnp.asarray(cache[0]),
+                                          jnp.asarray(cache[1]), positions, layer=1,
+                                          sm_scale=0.25, backend=backend)  # (fresh: donated)
+      for backend in ("xla", "pallas")}
+  (out_xla, k_xla, v_xla), (out, k_out, v_out) = results["xla"], results["pallas"]
+  assert out.shape == (padded, heads, head_dim)
+  assert_close_relative(out[:2], out_xla[:2], RELATIVE_TOLERANCE["float32"], "real rows")
+  np.testing.assert_array_equal(out[2:], 0.0)
+  np.testing.assert_array_equal(out_xla[2:], 0.0)
+  np.testing.assert_array_equal(k_out, k_xla)
+  np.testing.assert_array_equal(v_out, v_xla)
+  # Nothing but the two new entries changed.
+  changed = np.argwhere(np.any(np.asarray(k_out) != cache[0], axis=(-1, -2)))
+  assert changed.tolist() == [[1, 0, 7], [1, 1, 30]]
+
+
+def test_padded_step_over_a_full_width_cache_gives_the_same_tokens():
+  """A 2-row request padded to 8 rows on an engine whose cache holds 8 rows: the fused kernel
+  runs over all 8 (6 with length 0) and the tokens equal the XLA backend's."""
+  xla = Engine.from_pretrained("tiny-llama", attention="xla", batch_buckets=(2, 8),
+                               prompt_buckets=(16,), max_seq_len=40)
+  prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [38, 46]]
+  expected = xla.generate(prompts, max_new_tokens=10, eos_token_id=[])
+  fused = xla.with_options(attention="pallas", layer_loop="unroll")
+  assert fused.stats()["min_matmul_rows"] == 8
+  assert fused.generate(prompts, max_new_tokens=10, eos_token_id=[]) == expected
