@@ -164,15 +164,19 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
   """
   padded, batch = q.shape[0], positions.shape[0]
   if backend == "pallas" and isinstance(layer, int) and cache_write == "fused":
-    from cg_jax.kernels.decode_attention import decode_attention_with_write
+    from cg_jax.kernels.decode_attention import (DecodeAttentionConfig,
+                                                 decode_attention_with_write)
 
     rows = padded if padded <= k_all.shape[1] else batch
     # [rows]: padding rows have length 0
     lengths = jnp.pad(positions + 1, (0, rows - batch))
+    # The cache split as for the real rows (padding-row programs exit at once).
+    config = DecodeAttentionConfig().with_padding_rows(rows, batch)
 
     def kernel(q, k_new, v_new, k_all, v_all, lengths):
       return decode_attention_with_write(q, k_new, v_new, k_all, v_all, lengths, layer=layer,
-                                         sm_scale=sm_scale, interpret=interpret_pallas())
+                                         sm_scale=sm_scale, config=config,
+                                         interpret=interpret_pallas())
     if mesh is not None:
       heads, cache = _heads(mesh, 3, 1), _heads(mesh, 5, 3)
       kernel = _over_head_shards(kernel, mesh, (heads, heads, heads, cache, cache, P()),
