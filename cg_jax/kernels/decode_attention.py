@@ -92,7 +92,6 @@ class DecodeAttentionConfig:
       raise ValueError(f"DecodeAttentionConfig.num_stages must be a positive int, "
                        f"got {self.num_stages!r}")
 
-
   def with_padding_rows(self, rows: int, real_rows: int) -> "DecodeAttentionConfig":
     """This config for a launch over `rows` rows of which only `real_rows` have keys (the rest
     length 0): `min_programs` scaled so that the split is the one `real_rows` rows would get."""
