@@ -191,11 +191,17 @@ def run(jobs: list[Job], state: str, deadline_s: float, gpus: list[str | None]) 
 def collect(state: str, out: str) -> tuple[str, str]:
   """Every row found so far: OUT/comparison/baselines.json and graphs_rows.json."""
   os.makedirs(out, exist_ok=True)
-  baselines, graphs = [], []
-  for path in sorted(glob.glob(os.path.join(state, "baselines", "rows", "*.json"))):
-    baselines.extend(json.load(open(path)))
-  for path in sorted(glob.glob(os.path.join(state, "cg_jax", "*", "graphs_rows.json"))):
-    graphs.extend(json.load(open(path)))
+  def rows_in(pattern: str) -> list[dict]:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(state, pattern))):
+      try:
+        rows.extend(json.load(open(path)))
+      except (OSError, json.JSONDecodeError) as error:  # a run stopped while writing
+        print(f"skipped {path}: {error}", flush=True)
+    return rows
+
+  baselines = rows_in(os.path.join("baselines", "rows", "*.json"))
+  graphs = rows_in(os.path.join("cg_jax", "*", "graphs_rows.json"))
   paths = os.path.join(out, "baselines.json"), os.path.join(out, "graphs_rows.json")
   for path, rows in zip(paths, (baselines, graphs)):
     with open(path, "w") as f:

@@ -2,6 +2,7 @@
 started that its estimate says cannot finish, a job cut by the deadline stays pending, and a
 second call runs only what is left."""
 
+import json
 import os
 import sys
 import time
@@ -65,3 +66,16 @@ def test_full_plan_covers_every_cell():
       assert (env["MODELS"], env["SYSTEMS"]) == (model, system)
       assert env["LONG_RUNS"] == ("only" if max_len == 4096 else "0")
       assert job.needs == (f"checkpoint.{model}",)
+
+
+def test_collect_skips_a_rows_file_cut_off_mid_write(tmp_path):
+  from comparison_session import collect
+
+  state = tmp_path / "state"
+  (state / "baselines" / "rows").mkdir(parents=True)
+  (state / "logs").mkdir()
+  (state / "baselines" / "rows" / "a.json").write_text('[{"system": "torch_eager"}]')
+  (state / "baselines" / "rows" / "b.json").write_text('[{"system": "torch_comp')
+  baselines, graphs = collect(str(state), str(tmp_path / "out"))
+  assert json.load(open(baselines)) == [{"system": "torch_eager"}]
+  assert json.load(open(graphs)) == []
