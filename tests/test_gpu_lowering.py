@@ -10,12 +10,11 @@ import pytest
 
 from cg_jax import Engine
 from cg_jax.steps import LoopState
+from tests.kernels.kernel_test_base import lower_for_h200
 
 
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
 def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
-  from jax.sharding import AbstractDevice, AbstractMesh
-
   engine = Engine.from_pretrained(preset, dtype="bfloat16", batch_buckets=(1, 4),
                                   prompt_buckets=(16,), max_seq_len=128, attention="pallas",
                                   linear="pallas", layer_loop="unroll")
@@ -24,14 +23,10 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   weights, cache = engine._specs()
   i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
-  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-  with jax.sharding.use_abstract_mesh(mesh):
-    decode = jax.jit(engine._steps.decode, donate_argnums=(1, 2, 3)).trace(
-        weights, cache, i32, i32, None).lower(lowering_platforms=("cuda",)).as_text()
-    loop = jax.jit(engine._steps.decode_loop, donate_argnums=(1, 2)).trace(
-        weights, cache, LoopState.spec(4), jax.ShapeDtypeStruct((8,), jnp.int32),
-        None).lower(lowering_platforms=("cuda",)).as_text()
+  decode = lower_for_h200(engine._steps.decode, weights, cache, i32, i32, None,
+                          donate_argnums=(1, 2, 3))
+  loop = lower_for_h200(engine._steps.decode_loop, weights, cache, LoopState.spec(4),
+                        jax.ShapeDtypeStruct((8,), jnp.int32), None, donate_argnums=(1, 2))
   for text in (decode, loop):
     # The four projection kernels (one lowered function each, called once per layer with the
     # layer index as an operand: the weights are read in place from the stacked arrays) and the
@@ -46,24 +41,18 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   assert "stablehlo.scatter" not in decode
 
 
-
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
 def test_padded_decode_step_runs_attention_over_every_row(preset, monkeypatch):
   """A 1-row decode step padded to 8 rows on an 8-row cache: the attention kernel takes all 8
   rows (the padding ones with length 0), so the only padding left is the hidden state's, once
   per step (no per-layer pad of the attention output)."""
-  from jax.sharding import AbstractDevice, AbstractMesh
-
   engine = Engine.from_pretrained(preset, dtype="bfloat16", batch_buckets=(1, 8),
                                   prompt_buckets=(16,), max_seq_len=128, attention="pallas",
                                   layer_loop="unroll")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   weights, cache = engine._specs()
   i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
-  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(engine._steps.decode, donate_argnums=(1, 2, 3)).trace(
-        weights, cache, i32, i32, None).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_h200(engine._steps.decode, weights, cache, i32, i32, None,
+                        donate_argnums=(1, 2, 3))
   float_pads = re.findall(r"stablehlo\.pad [^\n]*-> tensor<([0-9x]+)xbf16>", text)
   assert float_pads == ["8x1x" + str(engine.model_config.hidden_size)], float_pads

@@ -56,11 +56,12 @@ def assert_kernel_close(out, reference, dtype: str, what: str = "kernel"):
                                f"{bound:.3e} ({100 * diff.max() / bound:.0f}% of tolerance)")
 
 
-def lower_for_h200(fn, *specs) -> str:
+def lower_for_h200(fn, *specs, donate_argnums=()) -> str:
   """Lower `fn` for CUDA against an abstract H200 (no GPU needed) and return the module text."""
   from jax.sharding import AbstractDevice, AbstractMesh
 
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
       device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
   with jax.sharding.use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(fn, donate_argnums=donate_argnums).trace(*specs).lower(
+        lowering_platforms=("cuda",)).as_text()
