@@ -153,7 +153,7 @@ class Queue:
         open(os.path.join(self.done_dir, job.name), "w").write(f"{returncode}\n")
 
 
-def worker(queue: Queue, gpu: str | None, report: list) -> None:
+def worker(queue: Queue, gpu: str | None) -> None:
   while (job := queue.take()) is not None:
     env = dict(os.environ, **dict(job.env))
     if gpu is not None:
@@ -171,7 +171,6 @@ def worker(queue: Queue, gpu: str | None, report: list) -> None:
     queue.finish(job, returncode)
     seconds = time.monotonic() - start
     status = "stopped at the deadline" if returncode is None else f"exit {returncode}"
-    report.append((job.name, gpu, seconds, status))
     print(f"[gpu {gpu}] {job.name}: {status} after {seconds:.0f} s", flush=True)
 
 
@@ -179,8 +178,7 @@ def run(jobs: list[Job], state: str, deadline_s: float, gpus: list[str | None]) 
   """Runs the pending jobs on one worker per GPU until done or the deadline; returns the queue
   (its `pending` jobs are what is left)."""
   queue = Queue(jobs, state, time.monotonic() + deadline_s)
-  report: list = []
-  threads = [threading.Thread(target=worker, args=(queue, gpu, report)) for gpu in gpus]
+  threads = [threading.Thread(target=worker, args=(queue, gpu)) for gpu in gpus]
   for thread in threads:
     thread.start()
   for thread in threads:
