@@ -5,7 +5,8 @@ Jobs: one checkpoint job per model (benchmarks/make_checkpoints.py); one PyTorch
 (model, cache length, system) (benchmarks/run_baselines.sh, one process each); one cg_jax run per
 (model, cache length) (benchmarks/graphs_bench.py, graphs `full`, Pallas attention, loading the
 same checkpoint files). Each GPU gets a worker (CUDA_VISIBLE_DEVICES=i) that starts the longest
-pending job whose checkpoint is ready and whose estimate fits the time left; a job still running at
+pending job whose checkpoint is ready and whose estimate fits the time left; checkpoint jobs (CPU
+work) go to one more worker that sees no GPU, so no GPU waits on them; a job still running at
 the deadline is stopped and stays pending. Finished jobs are marked under --state, which outlives
 the call while the machine stays warm, so a second call runs only what is left. Each call ends by
 collecting every row found so far into OUT/comparison/ (baselines.json, graphs_rows.json,
@@ -39,13 +40,14 @@ SLOW_SYSTEM_ARGS = {"torch_eager": "--repeats 8 --generate-repeats 2",
 class Job:
   """One process: argv run from the repo root with env added; `needs` names jobs that must be
   done first; `estimate_s` orders the queue (longest first) and keeps a job from starting when
-  less time is left."""
+  less time is left; `on_gpu` False sends it to the host worker."""
 
   name: str
   argv: tuple[str, ...]
   env: tuple[tuple[str, str], ...] = ()
   needs: tuple[str, ...] = ()
   estimate_s: float = 60.0
+  on_gpu: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,8 @@ FULL = Plan(models=("gpt2", "gpt2-large", "llama-3.2-1b"), long_model="llama-3.2
             max_len=1024, long_max_len=4096, position=512, batches="1,8,32", smoke=False)
 SMOKE = Plan(models=("smoke-gpt2", "smoke-llama"), long_model="smoke-llama", max_len=64,
              long_max_len=256, position=24, batches="1,3", smoke=True)
+# A host job must not touch a GPU, and leaves most cores to the timed runs beside it.
+HOST_JOB_ENV = (("CUDA_VISIBLE_DEVICES", ""), ("OMP_NUM_THREADS", "4"))
 # Seconds per job measured on the H200 (2026-11-30), by model size; compile-heavy systems longer.
 ESTIMATES = {"checkpoint": {"gpt2": 25, "gpt2-large": 60, "llama-3.2-1b": 60},
              "cg_jax": {"gpt2": 110, "gpt2-large": 230, "llama-3.2-1b": 130},
@@ -83,7 +87,8 @@ def plan_jobs(plan: Plan, state: str) -> list[Job]:
     jobs.append(Job(f"checkpoint.{model}",
                     (python, f"{BENCHMARKS}/make_checkpoints.py", "--out-dir", checkpoints,
                      "--models", model) + smoke,
-                    estimate_s=scale * ESTIMATES["checkpoint"].get(model, 60)))
+                    env=HOST_JOB_ENV, estimate_s=scale * ESTIMATES["checkpoint"].get(model, 60),
+                    on_gpu=False))
   cells = [(model, plan.max_len) for model in plan.models] + [(plan.long_model, plan.long_max_len)]
   for model, max_len in cells:
     needs = (f"checkpoint.{model}",)
@@ -124,20 +129,24 @@ class Queue:
   def is_done(self, name: str) -> bool:
     return os.path.exists(os.path.join(self.done_dir, name))
 
-  def take(self) -> Job | None:
-    """The longest ready job that fits the time left; None when nothing will fit any more."""
+  def take(self, on_gpu: bool) -> Job | None:
+    """The longest ready job of the worker's kind (GPU or host) that fits the time left; None
+    when nothing of that kind will fit any more."""
     while True:
       with self.lock:
         left = self.deadline - time.monotonic()
-        ready = [j for j in self.pending if all(self.is_done(n) for n in j.needs)]
+        mine = [j for j in self.pending if j.on_gpu == on_gpu]
+        ready = [j for j in mine if all(self.is_done(n) for n in j.needs)]
         fitting = [j for j in ready if j.estimate_s <= left]
         if fitting:
           self.pending.remove(fitting[0])
           self.running.add(fitting[0].name)
           return fitting[0]
-        # Wait only for jobs whose prerequisite is still running and could then fit.
-        waiting = [j for j in self.pending if j.estimate_s <= left
-                   and all(self.is_done(n) or n in self.running for n in j.needs)]
+        # Wait only for jobs that could still fit once their prerequisites, running or about to
+        # start on another worker, are done.
+        coming = self.running | {j.name for j in self.pending if j.estimate_s <= left}
+        waiting = [j for j in mine if j.estimate_s <= left
+                   and all(self.is_done(n) or n in coming for n in j.needs)]
         if not waiting:
           return None
       time.sleep(1.0)
@@ -153,11 +162,12 @@ class Queue:
         open(os.path.join(self.done_dir, job.name), "w").write(f"{returncode}\n")
 
 
-def worker(queue: Queue, gpu: str | None) -> None:
-  while (job := queue.take()) is not None:
-    env = dict(os.environ, **dict(job.env))
+def worker(queue: Queue, gpu: str | None, on_gpu: bool = True) -> None:
+  while (job := queue.take(on_gpu)) is not None:
+    env = dict(os.environ)
     if gpu is not None:
       env["CUDA_VISIBLE_DEVICES"] = gpu
+    env.update(job.env)
     start = time.monotonic()
     with open(os.path.join(queue.log_dir, f"{job.name}.log"), "w") as log:
       process = subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -171,14 +181,16 @@ def worker(queue: Queue, gpu: str | None) -> None:
     queue.finish(job, returncode)
     seconds = time.monotonic() - start
     status = "stopped at the deadline" if returncode is None else f"exit {returncode}"
-    print(f"[gpu {gpu}] {job.name}: {status} after {seconds:.0f} s", flush=True)
+    where = f"gpu {gpu}" if on_gpu else "host"
+    print(f"[{where}] {job.name}: {status} after {seconds:.0f} s", flush=True)
 
 
 def run(jobs: list[Job], state: str, deadline_s: float, gpus: list[str | None]) -> Queue:
   """Runs the pending jobs on one worker per GPU until done or the deadline; returns the queue
-  (its `pending` jobs are what is left)."""
+  (its `pending` jobs are what is left). Host jobs get one worker of their own."""
   queue = Queue(jobs, state, time.monotonic() + deadline_s)
   threads = [threading.Thread(target=worker, args=(queue, gpu)) for gpu in gpus]
+  threads.append(threading.Thread(target=worker, args=(queue, None, False)))
   for thread in threads:
     thread.start()
   for thread in threads:

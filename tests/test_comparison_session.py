@@ -29,6 +29,23 @@ def test_prerequisites_run_first_and_done_jobs_are_not_rerun(tmp_path):
   assert not marker.exists()  # nothing ran again
 
 
+def test_host_jobs_run_beside_the_gpu_workers_and_see_no_gpu(tmp_path):
+  state = tmp_path / "state"
+  seen = tmp_path / "seen"
+  check = ("import os, time; time.sleep(1); "
+           f"open({str(seen)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])")
+  jobs = [Job("checkpoint.m", (sys.executable, "-c", check), env=(("CUDA_VISIBLE_DEVICES", ""),),
+              estimate_s=1.0, on_gpu=False),
+          _job("other", "import time; time.sleep(1)", estimate_s=2.0),
+          _job("run.m", "pass", needs=("checkpoint.m",))]
+  start = time.monotonic()
+  queue = run(jobs, str(state), deadline_s=30, gpus=["0"])
+  assert not queue.pending
+  assert seen.read_text() == ""
+  assert time.monotonic() - start < 2.9  # the checkpoint ran beside "other", not after it
+  assert all((state / "done" / name).exists() for name in ("checkpoint.m", "other", "run.m"))
+
+
 def test_deadline_stops_a_job_and_the_next_call_resumes_it(tmp_path):
   state = str(tmp_path / "state")
   jobs = [_job("slow", "import time; time.sleep(30)", estimate_s=0.5),
@@ -65,7 +82,8 @@ def test_full_plan_covers_every_cell():
       env = dict(job.env)
       assert (env["MODELS"], env["SYSTEMS"]) == (model, system)
       assert env["LONG_RUNS"] == ("only" if max_len == 4096 else "0")
-      assert job.needs == (f"checkpoint.{model}",)
+      assert job.needs == (f"checkpoint.{model}",) and job.on_gpu
+  assert all(not j.on_gpu for j in jobs if j.name.startswith("checkpoint."))
 
 
 def test_collect_skips_a_rows_file_cut_off_mid_write(tmp_path):
