@@ -38,8 +38,8 @@ def test_cpu_default_is_xla():
 @pytest.mark.parametrize("cache_rows", [3, 5])
 def test_decode_write_keeps_padding_rows_out(cache_rows):
   """decode_attention_and_write on 5 rows of which 2 are real: the real rows' outputs and cache
-  writes equal the XLA path's (float32), the padding rows give zeros and write nothing. With a
-  5-row cache the fused kernel runs over every row; with a 3-row cache over the real rows."""
+  writes equal the XLA path's (float32), the padding rows give zeros and write nothing, on a
+  cache with fewer and with as many rows as the padded input."""
   rng = np.random.default_rng(cache_rows)
   layers, max_len, heads, kv_heads, head_dim, padded = 2, 32, 4, 2, 16, 5
   q, k_new, v_new = (jnp.asarray(rng.standard_normal((padded, h, head_dim)), jnp.float32)
@@ -65,8 +65,8 @@ def test_decode_write_keeps_padding_rows_out(cache_rows):
 
 
 def test_padded_step_over_a_full_width_cache_gives_the_same_tokens():
-  """A 2-row request padded to 8 rows on an engine whose cache holds 8 rows: the fused kernel
-  runs over all 8 (6 with length 0) and the tokens equal the XLA backend's."""
+  """A 2-row request padded to 8 rows on an engine whose cache holds 8 rows: the tokens of the
+  fused kernel equal the XLA backend's."""
   xla = Engine.from_pretrained("tiny-llama", attention="xla", batch_buckets=(2, 8),
                                prompt_buckets=(16,), max_seq_len=40)
   prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [38, 46]]

@@ -39,20 +39,3 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   # The cache write is part of the attention kernel (aliased caches): no scatter in the step
   # (the device loop has its own, for its [B, K] token buffer).
   assert "stablehlo.scatter" not in decode
-
-
-@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
-def test_padded_decode_step_runs_attention_over_every_row(preset, monkeypatch):
-  """A 1-row decode step padded to 8 rows on an 8-row cache: the attention kernel takes all 8
-  rows (the padding ones with length 0), so the only padding left is the hidden state's, once
-  per step (no per-layer pad of the attention output)."""
-  engine = Engine.from_pretrained(preset, dtype="bfloat16", batch_buckets=(1, 8),
-                                  prompt_buckets=(16,), max_seq_len=128, attention="pallas",
-                                  layer_loop="unroll")
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  weights, cache = engine._specs()
-  i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
-  text = lower_for_h200(engine._steps.decode, weights, cache, i32, i32, None,
-                        donate_argnums=(1, 2, 3))
-  float_pads = re.findall(r"stablehlo\.pad [^\n]*-> tensor<([0-9x]+)xbf16>", text)
-  assert float_pads == ["8x1x" + str(engine.model_config.hidden_size)], float_pads

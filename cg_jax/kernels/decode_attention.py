@@ -92,13 +92,6 @@ class DecodeAttentionConfig:
       raise ValueError(f"DecodeAttentionConfig.num_stages must be a positive int, "
                        f"got {self.num_stages!r}")
 
-  def with_padding_rows(self, rows: int, real_rows: int) -> "DecodeAttentionConfig":
-    """This config for a launch over `rows` rows of which only `real_rows` have keys (the rest
-    length 0): `min_programs` scaled so that the split is the one `real_rows` rows would get."""
-    if not 1 <= real_rows <= rows:
-      raise ValueError(f"real_rows must be in [1, rows={rows}], got {real_rows}")
-    return dataclasses.replace(self, min_programs=-(-self.min_programs * rows // real_rows))
-
 
 def _check_shapes(q, k_cache, v_cache, lengths) -> None:
   """Raises ValueError, naming the argument and the shapes, for inconsistent inputs."""

@@ -193,18 +193,6 @@ def test_split_layout_spreads_small_launches(batch, kv_heads, cache_len, expecte
       min(512, max(64, 1 << (cache_len - 1).bit_length()))
 
 
-@pytest.mark.parametrize("real_rows, rows, kv_heads, cache_len", [
-    (1, 8, 12, 1024), (1, 8, 8, 4096), (3, 16, 20, 1024), (8, 8, 12, 1024), (2, 32, 8, 256)])
-def test_padding_rows_keep_the_real_rows_split(real_rows, rows, kv_heads, cache_len):
-  """A launch over padded rows splits the cache as a launch over the real rows would."""
-  config = DecodeAttentionConfig()
-  padded = config.with_padding_rows(rows, real_rows)
-  assert (split_layout(rows, kv_heads, cache_len, padded)
-          == split_layout(real_rows, kv_heads, cache_len, config))
-  with pytest.raises(ValueError, match=r"real_rows must be in \[1, rows=4\], got 5"):
-    config.with_padding_rows(4, 5)
-
-
 @pytest.mark.parametrize("fields, name", [
     (dict(block_k=24), "block_k"),
     (dict(block_k=8, split_size=64), "block_k"),
