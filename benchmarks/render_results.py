@@ -6,8 +6,7 @@ and the cg_jax-against-PyTorch comparison as a table and a PNG plot.
   python benchmarks/render_results.py dispatch benchmarks/results/dispatch_h200.json
   python benchmarks/render_results.py tp benchmarks/results/tp_h200.json
   python benchmarks/render_results.py comparison benchmarks/results/baselines_h200.json \\
-      benchmarks/results/graphs_xla_attention_h200.json benchmarks/results/graphs_h200.json \\
-      benchmarks/results/graphs_fused_write_h200.json
+      benchmarks/results/graphs_comparison_h200.json
 
 Each writes <first json without .json>.md (comparison: comparison_h200.md and .png; of the
 graphs files, later ones override earlier ones' rows of the same cell).
@@ -137,25 +136,29 @@ def dispatch(rows: list[dict]) -> list[str]:
 
 def tensor_parallel(rows: list[dict]) -> list[str]:
   out = _header(rows, "Tensor-parallel decode step")
-  out += [f"bfloat16, random weights, Pallas attention, unrolled layers, graphs `full` (and `full` "
-          f"with XLA's COLLECTIVES command type), KV cache {rows[0]['max_seq_len']} long, decode "
-          f"at position {rows[0]['position']}; medians of pipelined steps. Kernels and graph "
-          "launches per step are summed over the devices' traces; floor = the one-GPU HBM floor "
-          "over the devices; tokens / logits = greedy tokens equal to, and the full forward's "
-          "max relative logits difference from, the one-GPU engine.", "",
-          "| model | GPUs | mode | batch | step us | floor us | vs 1 GPU | dispatch us | "
+  out += [f"bfloat16, random weights, Pallas attention, unrolled layers, KV cache "
+          f"{rows[0]['max_seq_len']} long, decode at position {rows[0]['position']}; medians of "
+          "pipelined steps. Modes: graphs `full`; `+collectives` adds XLA's COLLECTIVES command "
+          "type; `+nccl-graph` also turns XLA's own collective kernels off, so the NCCL "
+          "all-reduces are recorded in the graph (`-sync`: synchronous all-reduces). Kernels and "
+          "graph launches per step are summed over the devices' traces; floor = the one-GPU HBM "
+          "floor over the devices; vs 1 GPU = against the one-GPU row of the same commit; "
+          "tokens / logits = greedy tokens equal to, and the full forward's max relative logits "
+          "difference from, the one-GPU engine.", "",
+          "| commit | model | GPUs | mode | batch | step us | floor us | vs 1 GPU | dispatch us | "
           "kernels/step | graph launches/step | idle share | tokens equal | logits rel diff |",
-          "|---" * 13 + "|"]
-  one_gpu = {(r["model"], r["batch"]): r["step_us"] for r in rows
+          "|---" * 14 + "|"]
+  one_gpu = {(r.get("commit"), r["model"], r["batch"]): r["step_us"] for r in rows
              if r.get("tensor_parallel") == 1 and r.get("status") != "failed"}
   for r in rows:
     if r.get("status") == "failed":
-      out.append(f"| {r['model']} | {r['tensor_parallel']} | {r['mode']} | failed: "
-                 f"{r['error'][:200]} |")
+      out.append(f"| {r.get('commit')} | {r['model']} | {r['tensor_parallel']} | {r['mode']} | "
+                 f"failed: {r['error'][:200]} |")
       continue
-    base = one_gpu.get((r["model"], r["batch"]))
+    base = one_gpu.get((r.get("commit"), r["model"], r["batch"]))
     ratio = "-" if base is None else f"{r['step_us'] / base:.2f}x"
-    out.append(f"| {r['model']} | {r['tensor_parallel']} | {r['mode']} | {r['batch']} | "
+    out.append(f"| {r.get('commit')} | {r['model']} | {r['tensor_parallel']} | {r['mode']} | "
+               f"{r['batch']} | "
                f"{r['step_us']:.1f} | {r['floor_us']:.0f} | {ratio} | "
                f"{r['host_dispatch_wall_us']:.1f} | {r['kernels_per_step']:.0f} | "
                f"{r['graph_launches_per_step']:.0f} | {r['idle_gap_share']:.2f} | "
