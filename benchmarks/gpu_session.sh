@@ -21,6 +21,8 @@
 #   graphs-write   full mode, gpt2 and llama-3.2-1b at batch 1, 8, 32: fused cache write vs scatter
 #   graphs-large   full mode, gpt2-large at batch 1, 8, 32
 #   graphs-long    full mode, llama-3.2-1b with a 4096-long cache (position 512)
+#   graphs-gemm    cg_jax's comparison rows (same checkpoint files) over both GPUs, with gpt2 and
+#                  llama-3.2-1b also under cuBLAS / cuBLASLt GEMMs instead of XLA's Triton ones
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
@@ -127,6 +129,31 @@ if has matmul-rows; then  # the step with XLA products on 1/8/16 rows, and fused
   run fused-linear 160 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8 --traces gpt2 \
     --loop-batches none --linears pallas --ttft-len 0
+fi
+if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host while GPUs wait
+  echo "=== graphs-gemm ($(date +%T)) ==="
+  ck=/tmp/cg_jax_ckpt_gemm
+  mkdir -p $ck
+  for m in gpt2 llama-3.2-1b gpt2-large; do
+    (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 benchmarks/make_checkpoints.py --out-dir $ck \
+       --models $m > "$out/checkpoint_$m.log" 2>&1; echo $? > $ck/$m.exit) &
+  done
+  cells() {  # gpu, then model:max_len:gemms ...
+    local gpu=$1 cell m t gemms; shift
+    for cell in "$@"; do
+      IFS=: read -r m t gemms <<< "$cell"
+      for _ in $(seq 240); do [ -e $ck/$m.exit ] && break; sleep 1; done
+      CUDA_VISIBLE_DEVICES=$gpu run "gemm-$m-$t" 300 python3 benchmarks/graphs_bench.py \
+        --attention pallas --checkpoint-dir $ck --models $m --modes full --layer-loops unroll \
+        --batches 1,8,32 --traces none --loop-batches none --max-seq-len $t --gemms $gemms
+    done
+  }
+  cells 0 gpt2:1024:xla,cublas,cublaslt gpt2-large:1024:xla > "$out/gemm-gpu0.log" 2>&1 &
+  cells 1 llama-3.2-1b:1024:xla,cublas,cublaslt llama-3.2-1b:4096:xla > "$out/gemm-gpu1.log" 2>&1
+  wait
+  grep -h " step " "$out"/gemm-gpu*.log | cut -c1-150 | sort
+  grep -h -E "FAILED|Error" "$out"/gemm-gpu*.log | cut -c1-300
+  (cd "$out" && tar czf gemm_logs.tar.gz gemm-gpu*.log checkpoint_*.log && rm gemm-gpu*.log checkpoint_*.log)
 fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py

@@ -168,12 +168,14 @@ def tensor_parallel(rows: list[dict]) -> list[str]:
 
 
 def _cg_jax_rows(paths: list[str]) -> list[dict]:
-  """cg_jax's `full`-mode rows with its default cache write, later files overriding earlier."""
+  """cg_jax's `full`-mode rows with its default cache write and GEMMs, later files overriding
+  earlier."""
   rows = []
   for path in paths:
     for r in json.load(open(path)):
       if (r.get("mode") == "full" and r.get("layer_loop") == "unroll"
-          and r.get("cache_write") != "scatter" and r.get("status") != "failed"):
+          and r.get("cache_write") != "scatter" and r.get("gemm", "xla") == "xla"
+          and r.get("status") != "failed"):
         rows.append(dict(r, system=f"cg_jax ({r.get('attention', 'xla')} attention)",
                          max_len=r["max_seq_len"]))
   return rows
