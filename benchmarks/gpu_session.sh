@@ -23,6 +23,7 @@
 #   graphs-long    full mode, llama-3.2-1b with a 4096-long cache (position 512)
 #   graphs-gemm    cg_jax's comparison rows (same checkpoint files) over both GPUs, with gpt2 and
 #                  llama-3.2-1b also under cuBLAS / cuBLASLt GEMMs instead of XLA's Triton ones
+#                  (CELLS0 / CELLS1: each GPU's model:max_len:gemms list; BATCHES)
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
@@ -134,7 +135,7 @@ if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host whil
   echo "=== graphs-gemm ($(date +%T)) ==="
   ck=/tmp/cg_jax_ckpt_gemm
   mkdir -p $ck
-  for m in gpt2 llama-3.2-1b gpt2-large; do
+  for m in $(echo "${CELLS0:-gpt2 gpt2-large} ${CELLS1:-llama-3.2-1b}" | grep -o -E "(^| )[a-z0-9.-]+" | sort -u); do
     (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 benchmarks/make_checkpoints.py --out-dir $ck \
        --models $m > "$out/checkpoint_$m.log" 2>&1; echo $? > $ck/$m.exit) &
   done
@@ -145,11 +146,13 @@ if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host whil
       for _ in $(seq 240); do [ -e $ck/$m.exit ] && break; sleep 1; done
       CUDA_VISIBLE_DEVICES=$gpu run "gemm-$m-$t" 300 python3 benchmarks/graphs_bench.py \
         --attention pallas --checkpoint-dir $ck --models $m --modes full --layer-loops unroll \
-        --batches 1,8,32 --traces none --loop-batches none --max-seq-len $t --gemms $gemms
+        --batches "${BATCHES:-1,8,32}" --traces none --loop-batches none --max-seq-len $t \
+        --gemms $gemms
     done
   }
-  cells 0 gpt2:1024:xla,cublas,cublaslt gpt2-large:1024:xla > "$out/gemm-gpu0.log" 2>&1 &
-  cells 1 llama-3.2-1b:1024:xla,cublas,cublaslt llama-3.2-1b:4096:xla > "$out/gemm-gpu1.log" 2>&1
+  cells 0 ${CELLS0:-gpt2:1024:xla,cublas,cublaslt gpt2-large:1024:xla} > "$out/gemm-gpu0.log" 2>&1 &
+  cells 1 ${CELLS1:-llama-3.2-1b:1024:xla,cublas,cublaslt llama-3.2-1b:4096:xla} \
+    > "$out/gemm-gpu1.log" 2>&1
   wait
   grep -h " step " "$out"/gemm-gpu*.log | cut -c1-150 | sort
   grep -h -E "FAILED|Error" "$out"/gemm-gpu*.log | cut -c1-300

@@ -182,15 +182,15 @@ def test_kernel_rejects_unsupported_head_dim_and_dtype():
     (1, 8, 1024, (64, 16)),     # llama-3.2-1b shape at batch 1: 8 -> 128
     (8, 12, 1024, (128, 8)),    # gpt2 at batch 8: 192 -> 768
     (8, 8, 1024, (128, 8)),     # llama at batch 8: 128 -> 512
-    (32, 8, 1024, (512, 2)),    # already 512 programs
-    (32, 8, 4096, (512, 8)),
+    (32, 8, 1024, (256, 4)),    # already 1024 programs at the default split
+    (32, 8, 4096, (256, 16)),
     (1, 8, 100, (64, 2)),       # short cache
     (1, 1, 40, (64, 1)),        # never below block_k
 ])
 def test_split_layout_spreads_small_launches(batch, kv_heads, cache_len, expected):
   assert split_layout(batch, kv_heads, cache_len, DecodeAttentionConfig()) == expected
   assert split_layout(batch, kv_heads, cache_len, DecodeAttentionConfig(min_programs=0))[0] == \
-      min(512, max(64, 1 << (cache_len - 1).bit_length()))
+      min(256, max(64, 1 << (cache_len - 1).bit_length()))
 
 
 @pytest.mark.parametrize("fields, name", [
