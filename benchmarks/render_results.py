@@ -35,17 +35,20 @@ def _header(rows: list[dict], title: str) -> list[str]:
 
 def attention(rows: list[dict]) -> list[str]:
   out = _header(rows, "Pallas attention kernels")
-  out += ["bfloat16; Llama-3.2-1B heads (32 query / 8 KV heads); every row full length. Per-call "
-          "time of 20 back-to-back calls (queue kept full), median of 7; PyTorch "
-          "`scaled_dot_product_attention` timed the same way with CUDA events; the best launch "
-          "config of the search is shown. Decode: share = valid K/V bytes / time against "
-          f"{HBM_TB_PER_S} TB/s (issue goal >= 70% at B=32, T=4096). Prefill (B=4, causal): "
-          "TFLOP/s against the ~790 TFLOP/s bf16 matmul ceiling. rel err = max|pallas - jnp "
-          "reference| / max|reference|.", "",
-          "| kernel | shape | pallas us | XLA us | torch SDPA us | pallas vs torch | share of ceiling "
-          "| rel err | config |", "|---|---|---|---|---|---|---|---|---|"]
-  kernels = [r for r in rows if r["kernel"] != "mosaic_gpu_fa3_probe"]
+  kernels = [r for r in rows
+             if r["kernel"] not in ("mosaic_gpu_fa3_probe", "decode_attention_with_write")]
   probes = [r for r in rows if r["kernel"] == "mosaic_gpu_fa3_probe"]
+  steps = [r for r in rows if r["kernel"] == "decode_attention_with_write"]
+  if kernels:
+    out += ["bfloat16; Llama-3.2-1B heads (32 query / 8 KV heads); every row full length. Per-call "
+            "time of 20 back-to-back calls (queue kept full), median of 7; PyTorch "
+            "`scaled_dot_product_attention` timed the same way with CUDA events; the best launch "
+            "config of the search is shown. Decode: share = valid K/V bytes / time against "
+            f"{HBM_TB_PER_S} TB/s (issue goal >= 70% at B=32, T=4096). Prefill (B=4, causal): "
+            "TFLOP/s against the ~790 TFLOP/s bf16 matmul ceiling. rel err = max|pallas - jnp "
+            "reference| / max|reference|.", "",
+            "| kernel | shape | pallas us | XLA us | torch SDPA us | pallas vs torch | share of ceiling "
+            "| rel err | config |", "|---|---|---|---|---|---|---|---|---|"]
   for r in kernels:
     decode = r["kernel"] == "decode_attention"
     shape = (f"B={r['batch']} T={r['cache_len']}" if decode
@@ -57,6 +60,21 @@ def attention(rows: list[dict]) -> list[str]:
     out.append(f"| {r['kernel']} | {shape} | {_fmt(r['pallas_us'])} | {_fmt(r['xla_us'])} | "
                f"{_fmt(torch_us)} | {ratio} | {100 * share:.1f}% | {r['rel_error_vs_xla']:.1e} | "
                f"{config} |")
+  if steps:
+    out += ["", "Decode step (`--parts decode-step`): the cache write + attention kernel over every "
+            "layer of each model's stacked cache, in one jitted program with the caches donated, "
+            "us per layer; default launch config against pinned splits (keys per program) and "
+            "warps; share = valid K/V bytes / time against the HBM floor.", "",
+            "| model | batch | T | valid keys | default us (split x count) | best us | best config "
+            "| floor us | share | every pinned config (us) |", "|---" * 10 + "|"]
+    for r in steps:
+      config = r["pallas_config"]
+      every = ", ".join(f"{k} {v:.1f}" for k, v in r["all_us"].items())
+      out.append(f"| {r['model']} | {r['batch']} | {r['cache_len']} | {r['length']} | "
+                 f"{_fmt(r['default_us'])} ({r['default_split']} x {r['default_splits']}) | "
+                 f"{_fmt(r['pallas_us'])} | split {config['split_size']}, {config['num_warps']} "
+                 f"warps, {config['num_stages']} stages | {_fmt(r['floor_us'])} | "
+                 f"{100 * r['pallas_bandwidth_share']:.0f}% | {every} |")
   if probes:
     prefill = {(r["seq_len"], r["head_dim"]): r for r in kernels if r["kernel"] == "flash_attention"}
     out += ["", "Mosaic GPU probe: jax's bundled FlashAttention-3 example kernel "
@@ -192,10 +210,14 @@ def comparison(baseline_path: str, graph_paths: list[str], md_path: str, png_pat
   step = {(r["system"], r["model"], r["max_len"], r["batch"]): r.get("step_us") for r in rows}
   out = _header(baselines + ours, "Decode step: cg_jax against PyTorch and HF transformers")
   position = next((r["position"] for r in rows if r.get("position")), "-")
+  versions = sorted({f"torch {r['torch_version']}, transformers {r['transformers_version']}"
+                     for r in baselines if r.get("torch_version")})
   out += ["bfloat16, random weights (the same files for every system), KV cache T long, decode "
-          f"at position {position}; medians; us per step (HF generate: per token). cg_jax: graphs `full`, "
-          "unrolled layers, pipelined steps, latest commit's rows. floor = (weights + valid KV "
-          "bytes) / 4.2 TB/s. `-` = not run (see the JSON rows' `status` and `error`).", "",
+          f"at position {position}; medians; us per step (HF generate: per token); "
+          f"{'; '.join(versions) or 'no PyTorch rows'}. cg_jax: graphs `full`, unrolled layers, "
+          "pipelined steps (of the graphs files given, later ones override earlier ones' rows "
+          "per cell). floor = (weights + valid KV bytes) / 4.2 TB/s. `-` = not run (see the "
+          "JSON rows' `status` and `error`).", "",
           "| model | T | batch | floor us | " + " | ".join(systems)
           + " | best cg_jax vs best other |",
           "|---|---|---|---|" + "---|" * len(systems) + "---|"]

@@ -55,23 +55,25 @@ class DecodeAttentionConfig:
   Attributes:
     block_k: keys per inner-loop step (a power of two, >= 16 for Triton dots).
     split_size: keys per split-K program (a power of two, a multiple of block_k). It is clamped to
-      the cache length rounded up to a power of two, so short caches run as one split. In the
-      B=32 decode step on the H200 (cache 1024, 513 valid keys) 256 took 21.7 us per layer for
-      gpt2 and 16.7 for llama-3.2-1b, against 24.5 and 19.6 with 512 (attention_bench
-      --parts decode-step).
+      the cache length rounded up to a power of two, so short caches run as one split.
     min_programs: when batch x KV heads x splits would give fewer programs than this, the split
       is halved (down to block_k) until it does not: a few long programs leave most SMs idle
       and each walks its keys at load latency. Programs past a row's length exit at once, and
       an SM holds many programs, so the count is sized for the whole cache T (of which often
       only part is valid): in the gpt2 B=1 decode step on the H200, 24 programs took 11.4 us
       per layer and 192 took 3.0 us; at B=8 96 programs with keys (of 192) still took 11 us.
+      A launch at the full `split_size` needs twice this many: a row whose valid keys end
+      mid-cache then leaves half its programs idle. At B=32 (cache 1024, 513 valid keys), 256
+      keys per split against 512 took 21.7 against 24.5 us per layer in gpt2 (1536 against 768
+      programs) and 16.7 against 19.6 in llama-3.2-1b (1024 against 512), while gpt2-large
+      (1280 programs at 512) and a 4096-long llama cache (2048) were slower per step at 256.
       0 keeps `split_size`.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages.
   """
 
   block_k: int = 64
-  split_size: int = 256
+  split_size: int = 512
   min_programs: int = 512
   num_warps: int = 4
   num_stages: int = 2
@@ -254,12 +256,18 @@ def split_layout(batch: int, num_kv_heads: int, cache_len: int,
   """(keys per split, number of splits) for a launch of batch x num_kv_heads x splits programs.
 
   Short caches run as one split (the split is clamped to the cache length rounded up to a power
-  of two; the last split may reach past T, its loads are masked). With fewer than
-  `config.min_programs` programs the split is halved, down to `config.block_k`.
+  of two; the last split may reach past T, its loads are masked). The split is halved, down to
+  `config.block_k`, while the launch has fewer than `config.min_programs` programs, or fewer
+  than twice that at the full `config.split_size`.
   """
   split_size = min(config.split_size, max(config.block_k, pl.next_power_of_2(cache_len)))
-  while (split_size > config.block_k
-         and batch * num_kv_heads * pl.cdiv(cache_len, split_size) < config.min_programs):
+
+  def programs(split: int) -> int:
+    return batch * num_kv_heads * pl.cdiv(cache_len, split)
+
+  while split_size > config.block_k and (
+      programs(split_size) < config.min_programs
+      or (split_size == config.split_size and programs(split_size) < 2 * config.min_programs)):
     split_size //= 2
   return split_size, pl.cdiv(cache_len, split_size)
 

@@ -182,15 +182,18 @@ def test_kernel_rejects_unsupported_head_dim_and_dtype():
     (1, 8, 1024, (64, 16)),     # llama-3.2-1b shape at batch 1: 8 -> 128
     (8, 12, 1024, (128, 8)),    # gpt2 at batch 8: 192 -> 768
     (8, 8, 1024, (128, 8)),     # llama at batch 8: 128 -> 512
-    (32, 8, 1024, (256, 4)),    # already 1024 programs at the default split
-    (32, 8, 4096, (256, 16)),
+    (32, 8, 1024, (256, 4)),    # llama at batch 32: 512 at the full split -> 1024
+    (32, 12, 1024, (256, 4)),   # gpt2 at batch 32: 768 -> 1536
+    (32, 20, 1024, (512, 2)),   # gpt2-large at batch 32: 1280 programs at the full split
+    (32, 8, 4096, (512, 8)),    # 2048
+    (8, 20, 1024, (256, 4)),    # gpt2-large at batch 8: 320 -> 640
     (1, 8, 100, (64, 2)),       # short cache
     (1, 1, 40, (64, 1)),        # never below block_k
 ])
 def test_split_layout_spreads_small_launches(batch, kv_heads, cache_len, expected):
   assert split_layout(batch, kv_heads, cache_len, DecodeAttentionConfig()) == expected
   assert split_layout(batch, kv_heads, cache_len, DecodeAttentionConfig(min_programs=0))[0] == \
-      min(256, max(64, 1 << (cache_len - 1).bit_length()))
+      min(512, max(64, 1 << (cache_len - 1).bit_length()))
 
 
 @pytest.mark.parametrize("fields, name", [
