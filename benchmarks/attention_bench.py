@@ -44,11 +44,14 @@ DECODE_CONFIGS = tuple(
 PREFILL_CONFIGS = tuple(
     FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=warps)
     for block_q, block_k in ((64, 64), (128, 64), (64, 128), (128, 128)) for warps in (4, 8))
-# The decode step's cache write + attention, with the split pinned (min_programs=0).
+# The decode step's cache write + attention, with the split pinned (min_programs=0), in fixed
+# windows and (length_splits, as many programs) shared by length.
 STEP_CONFIGS = tuple(
     DecodeAttentionConfig(block_k=64, split_size=split, min_programs=0, num_warps=warps,
                           num_stages=stages)
-    for split in (64, 128, 256, 512) for warps, stages in ((4, 2), (8, 2), (2, 1)))
+    for split in (64, 128, 256, 512) for warps, stages in ((4, 2), (8, 2), (2, 1))) + tuple(
+    DecodeAttentionConfig(block_k=64, split_size=split, min_programs=0, length_splits=True)
+    for split in (64, 128, 256, 512))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
@@ -193,11 +196,13 @@ def decode_step_rows(models, batches, cache_len: int, position: int):
                        default_splits=splits, pallas_us=best_us,
                        pallas_config=dataclasses.asdict(best),
                        pallas_bandwidth_share=floor / best_us,
-                       all_us={f"split{t[1].split_size}_w{t[1].num_warps}_s{t[1].num_stages}":
-                               t[0] for t in timed}))
+                       all_us={f"split{t[1].split_size}_w{t[1].num_warps}_s{t[1].num_stages}"
+                               f"{'_by_length' if t[1].length_splits else ''}": t[0]
+                               for t in timed}))
       print(f"decode step {model:13s} B={batch:<3d} T={cache_len} len={position + 1}: default "
             f"{default_us:6.1f} us/layer (split {split} x{splits}), best {best_us:6.1f} "
-            f"(split {best.split_size}, {best.num_warps} warps, {best.num_stages} stages), floor "
+            f"(split {best.split_size}{' by length' if best.length_splits else ''}, "
+            f"{best.num_warps} warps, {best.num_stages} stages), floor "
             f"{floor:5.1f} ({100 * floor / best_us:4.1f}% of HBM)", flush=True)
   return rows
 
@@ -283,6 +288,8 @@ def main():
   parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   parser.add_argument("--batches", default="1,8,32")
   parser.add_argument("--cache-lens", default="1024,4096,16384")
+  parser.add_argument("--step-position", type=int, default=512,
+                      help="decode-step: the new token's position in every row (its length - 1)")
   parser.add_argument("--seq-lens", default="512,2048")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in the interpreter (CPU)")
   parser.add_argument("--parts", default="decode,prefill",
@@ -296,7 +303,7 @@ def main():
     global DECODE_CONFIGS, PREFILL_CONFIGS
     global STEP_CONFIGS
     DECODE_CONFIGS, PREFILL_CONFIGS = DECODE_CONFIGS[:2], PREFILL_CONFIGS[:1]
-    STEP_CONFIGS = STEP_CONFIGS[:2]
+    STEP_CONFIGS = STEP_CONFIGS[:1] + STEP_CONFIGS[-1:]  # one fixed, one by length
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
     args.step_models = "tiny-gpt2"
   commit = git_commit()
@@ -308,9 +315,10 @@ def main():
     rows += decode_rows([int(b) for b in args.batches.split(",")],
                         [int(t) for t in args.cache_lens.split(",")])
   if "decode-step" in parts:
-    cache_len = int(args.cache_lens.split(",")[0])
-    rows += decode_step_rows(args.step_models.split(","),
-                             [int(b) for b in args.batches.split(",")], cache_len, cache_len // 2)
+    for cache_len in [int(t) for t in args.cache_lens.split(",")]:
+      rows += decode_step_rows(args.step_models.split(","),
+                               [int(b) for b in args.batches.split(",")], cache_len,
+                               min(args.step_position, cache_len - 1))
   if "prefill" in parts:
     rows += prefill_rows([int(s) for s in args.seq_lens.split(",")])
   if "mosaic-probe" in parts:

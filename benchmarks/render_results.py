@@ -72,7 +72,8 @@ def attention(rows: list[dict]) -> list[str]:
       every = ", ".join(f"{k} {v:.1f}" for k, v in r["all_us"].items())
       out.append(f"| {r['model']} | {r['batch']} | {r['cache_len']} | {r['length']} | "
                  f"{_fmt(r['default_us'])} ({r['default_split']} x {r['default_splits']}) | "
-                 f"{_fmt(r['pallas_us'])} | split {config['split_size']}, {config['num_warps']} "
+                 f"{_fmt(r['pallas_us'])} | split {config['split_size']}"
+                 f"{' by length' if config.get('length_splits') else ''}, {config['num_warps']} "
                  f"warps, {config['num_stages']} stages | {_fmt(r['floor_us'])} | "
                  f"{100 * r['pallas_bandwidth_share']:.0f}% | {every} |")
   if probes:
@@ -193,6 +194,7 @@ def _cg_jax_rows(paths: list[str]) -> list[dict]:
     for r in json.load(open(path)):
       if (r.get("mode") == "full" and r.get("layer_loop") == "unroll"
           and r.get("cache_write") != "scatter" and r.get("gemm", "xla") == "xla"
+          and r.get("decode_splits", "fixed") == "fixed"
           and r.get("status") != "failed"):
         rows.append(dict(r, system=f"cg_jax ({r.get('attention', 'xla')} attention)",
                          max_len=r["max_seq_len"]))

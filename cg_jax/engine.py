@@ -27,7 +27,8 @@ from cg_jax.sampling import SamplingArrays
 from cg_jax.sharding import TensorParallel, check_tensor_parallel, from_shard_major, to_shard_major
 from cg_jax.steps import LoopState, SplitModel, StepFunctions
 from models import hf
-from models.attention import CACHE_WRITES, check_backend, default_backend as default_attention
+from models.attention import (CACHE_WRITES, DECODE_SPLITS, check_backend,
+                              default_backend as default_attention)
 from models.config import PRESETS, DecoderConfig
 from models.decoder import (LAYER_LOOPS, Decoder, KVCache, cache_bytes, check_linear_backend,
                             init_cache)
@@ -51,6 +52,7 @@ class EngineConfig:
   linear: decode steps' projections, "xla" or "pallas" (fused norm/matmul/epilogue kernels).
   tensor_parallel: devices the model is split over (`cg_jax.sharding`).
   cache_write: decode steps' cache write with Pallas attention, "fused" or "scatter".
+  decode_splits: the fused decode kernel's split of each row's keys, "fixed" or "length".
   compiler_options: XLA options applied to every executable (the graph mode's, plus extras).
   """
 
@@ -65,6 +67,7 @@ class EngineConfig:
   linear: str = "xla"
   tensor_parallel: int = 1
   cache_write: str = "fused"
+  decode_splits: str = "fixed"
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
@@ -159,6 +162,9 @@ class Engine:
     cache_write: with Pallas attention and unrolled layers, "fused" (default): the decode
       attention kernel also stores the step's new key and value, in place in the donated cache;
       "scatter": an XLA scatter per layer writes them first (the XLA backend always scatters).
+    decode_splits: with the fused cache write, how the decode kernel spreads each row's valid
+      keys over its split-K programs: "fixed" (default) cuts the whole cache into fixed windows
+      (programs past a row's length idle); "length" shares the row's keys among the programs.
     compiler_options: extra XLA options for every executable, on top of the graph mode's.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off.
@@ -173,7 +179,7 @@ class Engine:
                layer_loop: str | None = None, graphs: str = "xla-default",
                decode_loop_steps: int = 16, readback_lag: int = 2, min_matmul_rows: int = 8,
                linear: str = "xla", tensor_parallel: int = 1, cache_write: str = "fused",
-               compiler_options: Mapping[str, Any] | None = None,
+               decode_splits: str = "fixed", compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):
     self.model_config = config
@@ -208,12 +214,15 @@ class Engine:
     check_linear_backend(config, linear)
     if cache_write not in CACHE_WRITES:
       raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {cache_write!r}")
+    if decode_splits not in DECODE_SPLITS:
+      raise ValueError(f"decode_splits must be one of {DECODE_SPLITS}, got {decode_splits!r}")
     check_tensor_parallel(config, tensor_parallel, linear)
     self.config = EngineConfig(
         max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
         graphs=graphs, decode_loop_steps=decode_loop_steps, readback_lag=readback_lag,
         min_matmul_rows=min_matmul_rows, linear=linear, tensor_parallel=tensor_parallel,
-        cache_write=cache_write, compiler_options=tuple(sorted(options.items())))
+        cache_write=cache_write, decode_splits=decode_splits,
+        compiler_options=tuple(sorted(options.items())))
     self._parallel = TensorParallel.over(tensor_parallel) if tensor_parallel > 1 else None
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
@@ -243,7 +252,7 @@ class Engine:
     self._split = SplitModel.from_state(graphdef, state)
     mesh = None if self._parallel is None else self._parallel.mesh
     self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps,
-                                min_matmul_rows, linear, mesh, cache_write)
+                                min_matmul_rows, linear, mesh, cache_write, decode_splits)
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
     self._cache: KVCache | None = None
@@ -302,6 +311,7 @@ class Engine:
                    min_matmul_rows=self.config.min_matmul_rows, linear=self.config.linear,
                    tensor_parallel=self.config.tensor_parallel,
                    cache_write=self.config.cache_write,
+                   decode_splits=self.config.decode_splits,
                    compiler_options=self._extra_compiler_options)
     options.update(engine_options)
     engine = Engine(self.model_config, self.weights(), **options)
@@ -462,6 +472,7 @@ class Engine:
         "linear": self.config.linear,
         "tensor_parallel": self.config.tensor_parallel,
         "cache_write": self.config.cache_write,
+        "decode_splits": self.config.decode_splits,
         "compiler_options": dict(self.config.compiler_options),
         "max_seq_len": self.config.max_seq_len,
         "batch_buckets": self.config.buckets.batch_sizes,

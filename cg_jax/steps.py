@@ -79,6 +79,7 @@ class StepFunctions:
     linear: decode steps' projections, "xla" or "pallas" (fused kernels).
     mesh: the tensor-parallel mesh (`cg_jax.sharding`), or None on one device.
     cache_write: decode steps' cache write, "fused" into the Pallas attention or "scatter".
+    decode_splits: the fused decode kernel's split of each row's keys, "fixed" or "length".
   """
 
   split: SplitModel
@@ -89,12 +90,13 @@ class StepFunctions:
   linear: str = "xla"
   mesh: Any = None
   cache_write: str = "fused"
+  decode_splits: str = "fixed"
 
   @property
   def _model_options(self):
     return {"attention": self.attention, "layer_loop": self.layer_loop,
             "min_matmul_rows": self.min_matmul_rows, "linear": self.linear, "mesh": self.mesh,
-            "cache_write": self.cache_write}
+            "cache_write": self.cache_write, "decode_splits": self.decode_splits}
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)

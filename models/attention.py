@@ -139,11 +139,13 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
 
 
 CACHE_WRITES = ("fused", "scatter")
+# How the fused decode kernel spreads a row's keys over its split-K programs.
+DECODE_SPLITS = ("fixed", "length")
 
 
 def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, layer,
                                sm_scale: float, backend: Backend = "xla", mesh=None,
-                               cache_write: str = "fused"):
+                               cache_write: str = "fused", decode_splits: str = "fixed"):
   """Write one new token's key and value per row into layer `layer` of the stacked caches and
   attend to the cache up to and including it.
 
@@ -155,6 +157,10 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
     layer: a Python int, or a traced index (scan).
   Returns:
     (out [P, Hq, D], k_all, v_all) with the new keys and values written.
+
+  decode_splits (fused kernel only): "fixed" cuts the cache into fixed windows per program;
+  "length" shares each row's valid keys among the same programs
+  (`DecodeAttentionConfig.length_splits`).
 
   With the Pallas backend, a static layer and cache_write="fused", one kernel does both
   (`decode_attention_with_write`: the caches are updated in place, no scatter kernels); otherwise
@@ -170,7 +176,9 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
 
     def kernel(q, k_new, v_new, k_all, v_all, lengths):
       return decode_attention_with_write(q, k_new, v_new, k_all, v_all, lengths, layer=layer,
-                                         sm_scale=sm_scale, config=DecodeAttentionConfig(),
+                                         sm_scale=sm_scale,
+                                         config=DecodeAttentionConfig(
+                                             length_splits=decode_splits == "length"),
                                          interpret=interpret_pallas())
     if mesh is not None:
       heads, cache = _heads(mesh, 3, 1), _heads(mesh, 5, 3)

@@ -386,7 +386,7 @@ class Decoder(nnx.Module):
 
   def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
              layer_loop: str = "scan", min_matmul_rows: int = 1, linear: str = "xla",
-             mesh=None, cache_write: str = "fused"):
+             mesh=None, cache_write: str = "fused", decode_splits: str = "fixed"):
     """One decode step: each row's token is written at its own position and attends to the
     cache up to and including it.
 
@@ -406,6 +406,8 @@ class Decoder(nnx.Module):
       cache_write: "fused" (the Pallas attention kernel stores the new key/value itself, in
         place) or "scatter" (an XLA scatter per layer before attention); see
         `models.attention.decode_attention_and_write`.
+      decode_splits: "fixed" or "length", the fused kernel's split of each row's keys (same
+        function).
     Returns:
       (float32 [B, V] next-token logits, updated cache).
     """
@@ -422,7 +424,8 @@ class Decoder(nnx.Module):
         # the padding rows' outputs are zero
         out, cache_out["k"], cache_out["v"] = decode_attention_and_write(
             q[:, 0], k[:, 0], v[:, 0], k_all, v_all, positions, layer=layer,
-            sm_scale=self._sm_scale, backend=attention, mesh=mesh, cache_write=cache_write)
+            sm_scale=self._sm_scale, backend=attention, mesh=mesh, cache_write=cache_write,
+            decode_splits=decode_splits)
         return out[:, None]
 
       if linear == "pallas":

@@ -30,6 +30,18 @@ def test_pallas_and_xla_agree(model):
                         "pallas logits")
 
 
+def test_length_splits_give_the_same_tokens():
+  """decode_splits="length" (each row's valid keys shared among the split-K programs) against
+  the XLA backend, on a cache cut into 4 splits with an 80-token prompt (keys past one block)."""
+  xla = Engine.from_pretrained("tiny-llama", attention="xla", batch_buckets=(2,),
+                               prompt_buckets=(96,), max_seq_len=256)
+  prompts = [list(range(3, 83)), [38, 46]]
+  expected = xla.generate(prompts, max_new_tokens=8, eos_token_id=[])
+  by_length = xla.with_options(attention="pallas", layer_loop="unroll", decode_splits="length")
+  assert by_length.stats()["decode_splits"] == "length"
+  assert by_length.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
+
+
 def test_cpu_default_is_xla():
   assert default_backend() == "xla"
   assert Engine.from_pretrained("tiny-gpt2").stats()["attention"] == "xla"

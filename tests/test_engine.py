@@ -260,6 +260,7 @@ def test_kv_cache_too_large_fails_at_construction():
     (dict(min_matmul_rows=2.0), "min_matmul_rows must be an int"),
     (dict(linear="cublas"), "linear must be one of"),
     (dict(cache_write="inplace"), r"cache_write must be one of \('fused', 'scatter'\), got 'inplace'"),
+    (dict(decode_splits="even"), r"decode_splits must be one of \('fixed', 'length'\), got 'even'"),
 ])
 def test_bad_engine_options(options, match):
   with pytest.raises(ValueError, match=match):

@@ -70,6 +70,10 @@ class DecodeAttentionConfig:
       0 keeps `split_size`.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages.
+    length_splits: the same number of splits (from split_size and min_programs), but each row's
+      valid keys are shared among them (whole blocks of block_k keys each), so that no program
+      of a row with keys idles however short the row is against T; False splits the whole cache
+      T into fixed windows of split_size keys.
   """
 
   block_k: int = 64
@@ -77,6 +81,7 @@ class DecodeAttentionConfig:
   min_programs: int = 512
   num_warps: int = 4
   num_stages: int = 2
+  length_splits: bool = False
 
   def __post_init__(self):
     for name in ("block_k", "split_size", "num_warps"):
@@ -96,6 +101,9 @@ class DecodeAttentionConfig:
     if not isinstance(self.num_stages, int) or self.num_stages < 1:
       raise ValueError(f"DecodeAttentionConfig.num_stages must be a positive int, "
                        f"got {self.num_stages!r}")
+    if not isinstance(self.length_splits, bool):
+      raise ValueError(f"DecodeAttentionConfig.length_splits must be a bool, "
+                       f"got {self.length_splits!r}")
 
 
 def _check_shapes(q, k_cache, v_cache, lengths) -> None:
@@ -150,8 +158,8 @@ def _combine_splits(split_acc, split_max, split_denom):
 
 
 def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
-                             block_k: int, split_size: int, padded_group: int,
-                             writes_new: bool):
+                             block_k: int, split_size: int, num_splits: int, padded_group: int,
+                             writes_new: bool, length_splits: bool):
   """One (batch row, KV head, split) program.
 
   With `writes_new`, refs start with k_new_ref, v_new_ref [D] (the new token's key and value,
@@ -160,7 +168,9 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   input, and the program whose split holds position length - 1 stores it there.
 
   Refs: lengths_ref [] int32; q_ref [G, D]; k_ref, v_ref [split_size, D] (this split's window of
-  the cache, possibly reaching past T: rows at or past the length are never loaded). Outputs:
+  the cache, possibly reaching past T: rows at or past the length are never loaded; with
+  `length_splits`, the whole cache rounded up to a power of two, this split's keys found from
+  the length). Outputs:
   with one split, out_ref [G, D] (the normalised result in q's dtype); with several, the
   partials acc_ref [G, D] f32 and max_ref, denom_ref [G] f32 for `_combine_splits`. The G query
   rows are handled as `padded_group` (>= 16 for Triton dots) through masked loads and stores.
@@ -171,31 +181,43 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
     out_refs = refs
   group, head_dim = q_ref.shape
   real_rows = jnp.arange(padded_group) < group
-  split_start = pl.program_id(2) * split_size
   length = lengths_ref[()]
+  if length_splits:
+    # Each split takes an equal share of the row's keys, in whole blocks; the window is the
+    # whole cache, so keys are addressed from 0.
+    # Both operands are non-negative, so truncating and flooring division agree.
+    share_blocks = ((length + num_splits - 1) // num_splits + block_k - 1) // block_k
+    split_keys = share_blocks * block_k
+    split_start = pl.program_id(2) * split_keys
+    window_start = 0
+  else:
+    split_keys = split_size
+    split_start = pl.program_id(2) * split_size
+    window_start = split_start
   if writes_new:
     # The new token's position, and whether this program's split holds it.
     new_position = length - 1
     owns_new = (length > 0) & (split_start <= new_position) & (
-        new_position < split_start + split_size)
+        new_position < split_start + split_keys)
     length = jnp.maximum(new_position, 0)  # the keys read from the cache
   # Blocks of this split that hold at least one key below `length` (0 when the split is past it).
-  # Both operands are non-negative, so truncating and flooring division agree.
   keys_left = jnp.maximum(length - split_start, 0)
-  num_blocks = jnp.minimum((keys_left + block_k - 1) // block_k, split_size // block_k)
+  num_blocks = jnp.minimum((keys_left + block_k - 1) // block_k, split_keys // block_k)
 
   # [G_pad, D]; rows past G read as zeros and are never stored.
   query = pltriton.load(q_ref.at[pl.ds(0, padded_group), :], mask=real_rows[:, None], other=0.0)
 
   def attend_block(block_index, carry):
     acc, row_max, denom = carry
-    block_start = block_index * block_k
+    # The block's first key: its cache position, and its row in the window.
+    block_start = split_start + block_index * block_k
+    window_row = block_start - window_start
     # [block_k]
-    key_valid = split_start + block_start + jnp.arange(block_k) < length
+    key_valid = block_start + jnp.arange(block_k) < length
     # [block_k, D]; rows past the length are not read (they may lie past the end of the cache).
-    keys = pltriton.load(k_ref.at[pl.ds(block_start, block_k), :], mask=key_valid[:, None],
+    keys = pltriton.load(k_ref.at[pl.ds(window_row, block_k), :], mask=key_valid[:, None],
                          other=0.0)
-    values = pltriton.load(v_ref.at[pl.ds(block_start, block_k), :], mask=key_valid[:, None],
+    values = pltriton.load(v_ref.at[pl.ds(window_row, block_k), :], mask=key_valid[:, None],
                            other=0.0)
     # [G, block_k] = query [G, D] . keys [block_k, D]^T; HIGHEST keeps float32 off TF32.
     scores = lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
@@ -233,7 +255,7 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
     denom = denom * rescale + weight
     acc = acc * rescale[:, None] + weight[:, None] * value.astype(jnp.float32)[None, :]
     row_max = new_max
-    row = jnp.clip(new_position - split_start, 0, split_size - 1)
+    row = jnp.clip(new_position - window_start, 0, k_out_ref.shape[0] - 1)
     stored = jnp.full((1, head_dim), owns_new)
     pltriton.store(k_out_ref.at[pl.ds(row, 1), :], key[None, :].astype(k_out_ref.dtype),
                    mask=stored)
@@ -364,15 +386,19 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
   grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
 
   kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
-                             split_size=split_size, padded_group=padded_group,
-                             writes_new=new is not None)
+                             split_size=split_size, num_splits=num_splits,
+                             padded_group=padded_group, writes_new=new is not None,
+                             length_splits=config.length_splits)
   squeezed = pl.squeezed
+  # Keys per program's cache window: its split, or (length_splits) the whole cache.
+  window = pl.next_power_of_2(cache_len) if config.length_splits else split_size
+  window_index = (lambda s: 0) if config.length_splits else (lambda s: s)
   if layer is None:
-    cache_spec = pl.BlockSpec((squeezed, split_size, squeezed, head_dim),
-                              lambda b, h, s: (b, s, h, 0))
+    cache_spec = pl.BlockSpec((squeezed, window, squeezed, head_dim),
+                              lambda b, h, s: (b, window_index(s), h, 0))
   else:
-    cache_spec = pl.BlockSpec((squeezed, squeezed, split_size, squeezed, head_dim),
-                              lambda b, h, s: (layer, b, s, h, 0))
+    cache_spec = pl.BlockSpec((squeezed, squeezed, window, squeezed, head_dim),
+                              lambda b, h, s: (layer, b, window_index(s), h, 0))
   if num_splits == 1:
     # One kernel, no combine: [B, Hkv, G, D] in q's dtype.
     out_specs = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
