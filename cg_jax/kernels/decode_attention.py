@@ -10,7 +10,10 @@ cache along the key axis:
      split in blocks of `block_k` keys with an online softmax: a running max m, a running
      denominator l and an unnormalised float32 accumulator. The trip count is dynamic: a program
      reads only the blocks that hold keys below `lengths[b]`, and a split that lies entirely past
-     the length reads nothing and reports m = -inf, l = 0, acc = 0.
+     the length reads nothing and reports m = -inf, l = 0, acc = 0. With
+     `DecodeAttentionConfig.length_splits` the same programs share each row's valid keys instead
+     (whole blocks each, found from `lengths[b]`), so a short row in a long cache is still
+     spread over its programs.
   2. The per-split partials are combined in plain jnp: the max over splits, each split rescaled by
      exp(m_split - m_max), summed, and divided by the summed denominator. A row with no valid key
      (length 0) gets zeros, never NaN. When the cache fits one split, the kernel normalises and
