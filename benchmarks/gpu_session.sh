@@ -27,6 +27,9 @@
 #   splits         the decode kernel's keys in fixed windows against shared by row length: the
 #                  attention alone per model shape (cache 1024 and 4096), then whole steps
 #                  (Engine(decode_splits=...)) for gpt2 and llama-3.2-1b, one GPU each
+#   qkv            whole steps with the attention kernel reading q/k/v from the QKV output and
+#                  applying RoPE itself (Engine(decode_qkv="kernel")) against XLA's slices,
+#                  gpt2 and llama-3.2-1b at batch 1, 8, 32, one GPU each
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
@@ -173,6 +176,16 @@ if has splits; then  # on nvidia-h200-x2
   done
   wait
   grep -h -E "decode step [a-z]| step " "$out"/splits-gpu*.log | cut -c1-170
+fi
+if has qkv; then  # on nvidia-h200-x2
+  for g in 0 1; do
+    m=$([ $g = 0 ] && echo gpt2 || echo llama-3.2-1b)
+    CUDA_VISIBLE_DEVICES=$g run qkv-$m 240 python3 benchmarks/graphs_bench.py --attention pallas \
+      --models $m --modes full --layer-loops unroll --batches 1,8,32 --traces $m \
+      --loop-batches none --decode-qkv xla,kernel --ttft-len 0 > "$out/qkv-gpu$g.log" 2>&1 &
+  done
+  wait
+  grep -h " step " "$out"/qkv-gpu*.log | cut -c1-170
 fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py

@@ -80,6 +80,8 @@ class StepFunctions:
     mesh: the tensor-parallel mesh (`cg_jax.sharding`), or None on one device.
     cache_write: decode steps' cache write, "fused" into the Pallas attention or "scatter".
     decode_splits: the fused decode kernel's split of each row's keys, "fixed" or "length".
+    decode_qkv: who slices the fused QKV output and applies RoPE in decode steps, "xla" or
+      "kernel" (the fused decode attention kernel).
   """
 
   split: SplitModel
@@ -91,12 +93,14 @@ class StepFunctions:
   mesh: Any = None
   cache_write: str = "fused"
   decode_splits: str = "fixed"
+  decode_qkv: str = "xla"
 
   @property
   def _model_options(self):
     return {"attention": self.attention, "layer_loop": self.layer_loop,
             "min_matmul_rows": self.min_matmul_rows, "linear": self.linear, "mesh": self.mesh,
-            "cache_write": self.cache_write, "decode_splits": self.decode_splits}
+            "cache_write": self.cache_write, "decode_splits": self.decode_splits,
+            "decode_qkv": self.decode_qkv}
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)

@@ -141,6 +141,9 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
 CACHE_WRITES = ("fused", "scatter")
 # How the fused decode kernel spreads a row's keys over its split-K programs.
 DECODE_SPLITS = ("fixed", "length")
+# Who slices the decode step's fused QKV output and applies RoPE: XLA ops before the attention,
+# or the fused decode kernel itself.
+DECODE_QKV = ("xla", "kernel")
 
 
 def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, layer,
@@ -195,4 +198,29 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
   if out.shape[0] < padded:  # [B, Hq, D] -> [P, Hq, D]
     out = jnp.pad(out, ((0, padded - out.shape[0]), (0, 0), (0, 0)))
   return out, k_all, v_all
+
+
+def decode_attention_and_write_qkv(qkv, k_all, v_all, positions, rope, *, layer: int,
+                                   sm_scale: float, decode_splits: str = "fixed"):
+  """`decode_attention_and_write` for the fused Pallas kernel fed by the unsliced QKV output.
+
+  Args:
+    qkv: [P, Hq + 2 Hkv, D]: the step's query heads, new keys and new values per row; rows
+      [B, P) are padding (zeros out, nothing written).
+    k_all, v_all: [L, B', T, Hkv, D] (B' >= B); positions: int32 [B]; layer: a Python int.
+    rope: None, or (cos, sin) float32 [B, D] at `positions`: the kernel rotates the query and the
+      new key (the XLA path's `_apply_rope`), so no slice or rotation runs outside it.
+  Returns:
+    (out [P, Hq, D], k_all, v_all).
+  """
+  from cg_jax.kernels.decode_attention import (DecodeAttentionConfig,
+                                               decode_attention_with_write_qkv)
+
+  padded, batch = qkv.shape[0], positions.shape[0]
+  out, k_all, v_all = decode_attention_with_write_qkv(
+      qkv[:batch], k_all, v_all, positions + 1, rope, layer=layer, sm_scale=sm_scale,
+      config=DecodeAttentionConfig(length_splits=decode_splits == "length"),
+      interpret=interpret_pallas())
+  # [B, Hq, D] -> [P, Hq, D]
+  return jnp.pad(out, ((0, padded - batch), (0, 0), (0, 0))), k_all, v_all
 

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import (Backend, decode_attention_and_write, interpret_pallas,
-                              prefill_attention)
+from models.attention import (Backend, decode_attention_and_write,
+                              decode_attention_and_write_qkv, interpret_pallas, prefill_attention)
 from models.config import DecoderConfig
 
 LAYER_WEIGHTS: tuple[str, ...] = (
@@ -89,17 +89,24 @@ def rope_inverse_frequencies(config: DecoderConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
+def rope_cos_sin(positions, inv_freq):
+  """cos and sin, float32 [..., H], of rotate-half RoPE at int positions [...]: the angles
+  positions x inv_freq [H/2], repeated over both halves."""
+  # [..., H/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  # [..., H]
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
 def _apply_rope(x, positions, inv_freq):
   """Rotate-half RoPE (Hugging Face Llama convention).
 
   Args:
     x: [B, S, N, H]; positions: int32 [B, S]; inv_freq: f32 [H/2].
   """
-  # [B, S, H/2]
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq
   # [B, S, 1, H]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  cos, sin = (part[:, :, None, :] for part in rope_cos_sin(positions, inv_freq))
   x32 = x.astype(jnp.float32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
@@ -276,8 +283,11 @@ class Decoder(nnx.Module):
     precision = jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None
     return jnp.matmul(x, head, precision=precision, preferred_element_type=jnp.float32)
 
-  def _block(self, x, w, positions, attend, project=xla_projection, shards: int = 1):
-    """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H].
+  def _block(self, x, w, positions, attend, project=xla_projection, shards: int = 1,
+             attend_qkv=None):
+    """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H]. With
+    `attend_qkv` (one device), `attend_qkv(qkv [B*S, Nq + 2K, H])` replaces the slicing, the
+    RoPE and `attend`, and returns [B*S, Nq, H].
 
     `shards` > 1: the QKV and gated MLP-in columns are shard-major (`cg_jax.sharding`), each of
     the `shards` column groups holding its own heads' [q | k | v] (and [gate | up]).
@@ -297,16 +307,20 @@ class Decoder(nnx.Module):
     qkv = project(flat, w["qkv_kernel"], norm=norm, norm_scale=w["attn_norm_scale"],
                   norm_bias=w.get("attn_norm_bias"), eps=c.norm_eps, bias=w.get("qkv_bias"))
     q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    # [B*S, shards, per-shard [q | k | v] columns]
-    qkv = qkv.reshape(rows, shards, -1)
-    q_part, kv_part = q_width // shards, kv_width // shards
-    q = qkv[..., :q_part].reshape(batch, seq, c.num_heads, c.head_dim)
-    k = qkv[..., q_part:q_part + kv_part].reshape(batch, seq, c.num_kv_heads, c.head_dim)
-    v = qkv[..., q_part + kv_part:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
-    if c.uses_rope:
-      inv_freq = jnp.asarray(rope_inverse_frequencies(c))
-      q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
-    attn = attend(q, k, v).reshape(rows, q_width)
+    if attend_qkv is not None:
+      # [B*S, Nq + 2K, H]: a free reshape of the projection's output
+      attn = attend_qkv(qkv.reshape(rows, -1, c.head_dim)).reshape(rows, q_width)
+    else:
+      # [B*S, shards, per-shard [q | k | v] columns]
+      qkv = qkv.reshape(rows, shards, -1)
+      q_part, kv_part = q_width // shards, kv_width // shards
+      q = qkv[..., :q_part].reshape(batch, seq, c.num_heads, c.head_dim)
+      k = qkv[..., q_part:q_part + kv_part].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+      v = qkv[..., q_part + kv_part:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+      if c.uses_rope:
+        inv_freq = jnp.asarray(rope_inverse_frequencies(c))
+        q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
+      attn = attend(q, k, v).reshape(rows, q_width)
     flat = project(attn, w["out_kernel"], bias=w.get("out_bias"), residual=flat)
     # [B*S, F]: act(h W + b), or act(gate) * up for the gated (SwiGLU) MLP
     mlp = project(flat, w["mlp_in_kernel"], norm=norm, norm_scale=w["mlp_norm_scale"],
@@ -386,7 +400,8 @@ class Decoder(nnx.Module):
 
   def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
              layer_loop: str = "scan", min_matmul_rows: int = 1, linear: str = "xla",
-             mesh=None, cache_write: str = "fused", decode_splits: str = "fixed"):
+             mesh=None, cache_write: str = "fused", decode_splits: str = "fixed",
+             decode_qkv: str = "xla"):
     """One decode step: each row's token is written at its own position and attends to the
     cache up to and including it.
 
@@ -408,6 +423,10 @@ class Decoder(nnx.Module):
         `models.attention.decode_attention_and_write`.
       decode_splits: "fixed" or "length", the fused kernel's split of each row's keys (same
         function).
+      decode_qkv: "xla" (XLA slices the fused QKV output and applies RoPE) or "kernel": with the
+        Pallas backend, unrolled layers, the fused cache write and one device, the attention
+        kernel reads q, k and v from the QKV output in place and applies RoPE itself
+        (`models.attention.decode_attention_and_write_qkv`); otherwise as "xla".
     Returns:
       (float32 [B, V] next-token logits, updated cache).
     """
@@ -415,9 +434,24 @@ class Decoder(nnx.Module):
     padded = max(batch, min_matmul_rows) if linear == "xla" else batch
     stacked = self._layer_weights()
 
+    c = self.config
+    # (cos, sin) float32 [B, H] at the rows' positions, shared by every layer
+    rope = (rope_cos_sin(positions, jnp.asarray(rope_inverse_frequencies(c)))
+            if c.uses_rope else None)
+
     def body(carry, w, layer):
       x, k_all, v_all = carry
       cache_out = {}
+
+      def attend_in_kernel(qkv):
+        # qkv [P, Nq + 2K, H] -> [P, Nq, H]; the real rows' new K/V -> cache[layer, b, pos]
+        out, cache_out["k"], cache_out["v"] = decode_attention_and_write_qkv(
+            qkv, k_all, v_all, positions, rope, layer=layer, sm_scale=self._sm_scale,
+            decode_splits=decode_splits)
+        return out
+
+      in_kernel = (decode_qkv == "kernel" and attention == "pallas" and isinstance(layer, int)
+                   and cache_write == "fused" and mesh is None)
 
       def attend(q, k, v):
         # q [P, 1, N, H]; k, v [P, 1, K, H]: the real rows [0, B) -> cache[layer, b, positions[b]];
@@ -432,7 +466,8 @@ class Decoder(nnx.Module):
         w, project = stacked, functools.partial(_fused_projection, layer=layer)
       else:
         project = xla_projection
-      x = self._block(x, w, padded_positions[:, None], attend, project, _shards(mesh))
+      x = self._block(x, w, padded_positions[:, None], attend, project, _shards(mesh),
+                      attend_in_kernel if in_kernel else None)
       return x, cache_out["k"], cache_out["v"]
 
     # [P]: the padding rows take position 0 (their values never reach a real row)

@@ -42,6 +42,22 @@ def test_length_splits_give_the_same_tokens():
   assert by_length.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
 
 
+@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-llama"])
+def test_qkv_read_and_rotated_in_the_kernel_give_the_same_tokens(model):
+  """decode_qkv="kernel": the fused decode kernel reads q, k and v from the QKV output in place
+  and applies RoPE itself (tiny-llama; tiny-gpt2 has none, but a QKV bias); the tokens equal the
+  XLA backend's, with fixed and with length splits over a 4-split cache."""
+  xla = Engine.from_pretrained(model, attention="xla", batch_buckets=(2,), prompt_buckets=(96,),
+                               max_seq_len=256)
+  prompts = [list(range(3, 83)), [38, 46]]
+  expected = xla.generate(prompts, max_new_tokens=8, eos_token_id=[])
+  in_kernel = xla.with_options(attention="pallas", layer_loop="unroll", decode_qkv="kernel")
+  assert in_kernel.stats()["decode_qkv"] == "kernel"
+  assert in_kernel.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
+  by_length = in_kernel.with_options(decode_splits="length")
+  assert by_length.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
+
+
 def test_cpu_default_is_xla():
   assert default_backend() == "xla"
   assert Engine.from_pretrained("tiny-gpt2").stats()["attention"] == "xla"

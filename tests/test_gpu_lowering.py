@@ -39,3 +39,24 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   # The cache write is part of the attention kernel (aliased caches): no scatter in the step
   # (the device loop has its own, for its [B, K] token buffer).
   assert "stablehlo.scatter" not in decode
+
+
+def test_decode_step_with_qkv_in_the_kernel_lowers_for_h200(monkeypatch):
+  """decode_qkv="kernel" on tiny-llama: one decode-attention Triton call per layer, and RoPE's
+  angles computed once per step (the kernel rotates; "xla" rotates q and k in every layer)."""
+  engine = Engine.from_pretrained("tiny-llama", dtype="bfloat16", batch_buckets=(1, 4),
+                                  prompt_buckets=(16,), max_seq_len=128, attention="pallas",
+                                  layer_loop="unroll", decode_qkv="kernel")
+  layers = engine.model_config.num_layers
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
+  texts = {}
+  for mode in ("kernel", "xla"):
+    steps = engine.with_options(decode_qkv=mode)._steps
+    texts[mode] = lower_for_h200(steps.decode, *engine._specs(), i32, i32, None,
+                                 donate_argnums=(1, 2, 3))
+  calls = re.findall(r"call @(decode_attention\w*)\(", texts["kernel"])
+  assert len(calls) == layers, calls
+  assert "custom_call @__gpu$xla.gpu.triton" in texts["kernel"]
+  assert texts["kernel"].count("stablehlo.cosine") == 1
+  assert texts["xla"].count("stablehlo.cosine") == 2 * layers

@@ -160,15 +160,30 @@ def _combine_splits(split_acc, split_max, split_denom):
   return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
+def _rotate_half(x):
+  """[M, D] float32 -> concat(-x[:, D/2:], x[:, :D/2]) (RoPE's rotate-half), as a product with a
+  signed permutation: Triton has no lane shuffle. Exact: each output is one input times +-1."""
+  head_dim = x.shape[-1]
+  half = head_dim // 2
+  # [D, D]: out[:, j] = -x[:, j + D/2] for j < D/2, x[:, j - D/2] for j >= D/2
+  rows, cols = jnp.arange(head_dim)[:, None], jnp.arange(head_dim)[None, :]
+  permutation = ((rows == cols - half).astype(jnp.float32)
+                 - (rows == cols + half).astype(jnp.float32))
+  return lax.dot_general(x, permutation, (((1,), (0,)), ((), ())),
+                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
 def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
                              block_k: int, split_size: int, num_splits: int, padded_group: int,
-                             writes_new: bool, length_splits: bool):
+                             writes_new: bool, length_splits: bool, rotates: bool):
   """One (batch row, KV head, split) program.
 
   With `writes_new`, refs start with k_new_ref, v_new_ref [D] (the new token's key and value,
   at position length - 1) and end with the aliased cache outputs k_out_ref, v_out_ref
   [split_size, D]: the cache supplies keys below length - 1, the new key is attended from its
-  input, and the program whose split holds position length - 1 stores it there.
+  input, and the program whose split holds position length - 1 stores it there. With `rotates`
+  (and `writes_new`), cos_ref, sin_ref [D] float32 follow them: the query and the new key are
+  rotated here (RoPE, rotate-half) before use; the cache already holds rotated keys.
 
   Refs: lengths_ref [] int32; q_ref [G, D]; k_ref, v_ref [split_size, D] (this split's window of
   the cache, possibly reaching past T: rows at or past the length are never loaded; with
@@ -179,7 +194,10 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   rows are handled as `padded_group` (>= 16 for Triton dots) through masked loads and stores.
   """
   if writes_new:
-    k_new_ref, v_new_ref, *out_refs, k_out_ref, v_out_ref = refs
+    k_new_ref, v_new_ref, *refs = refs
+    if rotates:
+      cos_ref, sin_ref, *refs = refs
+    *out_refs, k_out_ref, v_out_ref = refs
   else:
     out_refs = refs
   group, head_dim = q_ref.shape
@@ -209,6 +227,11 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
 
   # [G_pad, D]; rows past G read as zeros and are never stored.
   query = pltriton.load(q_ref.at[pl.ds(0, padded_group), :], mask=real_rows[:, None], other=0.0)
+  if rotates:
+    # [D] each; rounded back to q's dtype as the XLA rotation would be
+    cos, sin = cos_ref[...], sin_ref[...]
+    query32 = query.astype(jnp.float32)
+    query = (query32 * cos[None, :] + _rotate_half(query32) * sin[None, :]).astype(query.dtype)
 
   def attend_block(block_index, carry):
     acc, row_max, denom = carry
@@ -249,6 +272,12 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
     # The new key and value: attended from the inputs, stored into the cache by their owner.
     # [D]
     key, value = k_new_ref[...], v_new_ref[...]
+    if rotates:
+      # [MIN_DOT_DIM, D]: the key repeated (a dot needs >= 16 rows), rotated, row 0 kept
+      tile = jnp.broadcast_to(key.astype(jnp.float32)[None, :], (MIN_DOT_DIM, head_dim))
+      first = (jnp.arange(MIN_DOT_DIM) == 0)[:, None]
+      rotated = jnp.sum(jnp.where(first, _rotate_half(tile), 0.0), axis=0)
+      key = (key.astype(jnp.float32) * cos + rotated * sin).astype(key.dtype)
     # [G]
     score = jnp.sum(query.astype(jnp.float32) * key.astype(jnp.float32)[None, :], axis=1) * sm_scale
     score = jnp.where(owns_new, score, -jnp.inf)
@@ -324,6 +353,40 @@ def decode_attention_with_write(q, k_new, v_new, k_cache, v_cache, lengths, *, l
                            new=(k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)))
 
 
+@functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"),
+                   donate_argnames=("k_cache", "v_cache"))
+def decode_attention_with_write_qkv(qkv, k_cache, v_cache, lengths, rope=None, *, layer: int,
+                                    sm_scale: float | None = None,
+                                    config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                                    interpret: bool = False):
+  """`decode_attention_with_write` fed by the fused QKV projection's output, unsliced.
+
+  Args:
+    qkv: [B, Hq + 2 Hkv, D] in the cache's dtype: each row's query heads, then its new keys, then
+      its new values (Hkv from the cache). The kernel's blocks read each part in place, so no
+      slice is materialised.
+    rope: None, or (cos, sin) float32 [B, D] at the rows' new positions (rotate-half RoPE, the
+      angles repeated over both halves): the kernel rotates the query and the new key itself,
+      and the cache receives the rotated key.
+  Returns:
+    (out [B, Hq, D], k_cache, v_cache) as `decode_attention_with_write`.
+  """
+  num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+  if qkv.ndim != 3 or qkv.shape[1] <= 2 * num_kv_heads or qkv.shape[2] != head_dim:
+    raise ValueError(f"qkv must be [B, Hq + 2 * {num_kv_heads}, {head_dim}] with Hq >= 1; got "
+                     f"{tuple(qkv.shape)}")
+  if rope is not None:
+    cos, sin = rope
+    if cos.shape != (qkv.shape[0], head_dim) or sin.shape != cos.shape:
+      raise ValueError(f"rope (cos, sin) must be [B, D] = {(qkv.shape[0], head_dim)}; got "
+                       f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if head_dim % 2:
+      raise ValueError(f"rope needs an even head_dim, got {head_dim}")
+    rope = (cos.astype(jnp.float32), sin.astype(jnp.float32))
+  return _decode_attention(qkv, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
+                           config=config, interpret=interpret, new="in_qkv", rope=rope)
+
+
 @functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"))
 def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
                      sm_scale: float | None = None,
@@ -352,8 +415,15 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
                            config=config, interpret=interpret, new=None)
 
 
-def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, interpret, new):
-  """decode_attention, and with `new` = (k_new, v_new) decode_attention_with_write."""
+def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, interpret, new,
+                      rope=None):
+  """decode_attention; with `new` = (k_new, v_new) decode_attention_with_write; with `new` =
+  "in_qkv" (q is then [B, Hq + 2 Hkv, D]) decode_attention_with_write_qkv, rotating by `rope`."""
+  qkv = None
+  if isinstance(new, str):
+    # The query heads' view of qkv, for the checks and sizes below.
+    qkv, num_new = q, 2 * k_cache.shape[-2]
+    q = jax.ShapeDtypeStruct((qkv.shape[0], qkv.shape[1] - num_new, qkv.shape[2]), qkv.dtype)
   batch = q.shape[0] if q.ndim == 3 else None
   if layer is not None:
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
@@ -385,13 +455,11 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
   split_size, num_splits = split_layout(batch, num_kv_heads, cache_len, config)
 
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, cache_len)
-  # [B, Hkv, G, D] (a free reshape: the kernel pads G to G_pad with masked loads)
-  grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
 
   kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
                              split_size=split_size, num_splits=num_splits,
                              padded_group=padded_group, writes_new=new is not None,
-                             length_splits=config.length_splits)
+                             length_splits=config.length_splits, rotates=rope is not None)
   squeezed = pl.squeezed
   # Keys per program's cache window: its split, or (length_splits) the whole cache.
   window = pl.next_power_of_2(cache_len) if config.length_splits else split_size
@@ -419,18 +487,34 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
         jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group), jnp.float32),
         jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group), jnp.float32),
     ]
-  in_specs = [
-      pl.BlockSpec((squeezed,), lambda b, h, s: (b,)),
-      pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
-      cache_spec,
-      cache_spec,
-  ]
-  operands = [lengths, grouped_q, k_cache, v_cache]
+  lengths_spec = pl.BlockSpec((squeezed,), lambda b, h, s: (b,))
+  if qkv is None:
+    # [B, Hkv, G, D] (a free reshape: the kernel pads G to G_pad with masked loads)
+    q_operand = q.reshape(batch, num_kv_heads, group, head_dim)
+    q_spec = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
+  else:
+    # KV head h's query heads are qkv rows [h G, (h + 1) G): block h of G rows.
+    q_operand = qkv
+    q_spec = pl.BlockSpec((squeezed, group, head_dim), lambda b, h, s: (b, h, 0))
+  in_specs = [lengths_spec, q_spec, cache_spec, cache_spec]
+  operands = [lengths, q_operand, k_cache, v_cache]
   aliases = {}
   if new is not None:
-    # k_new, v_new [B, Hkv, D]; the caches come back as outputs aliased to inputs 2 and 3.
-    in_specs += [pl.BlockSpec((squeezed, squeezed, head_dim), lambda b, h, s: (b, h, 0))] * 2
-    operands += list(new)
+    # k_new, v_new [B, Hkv, D] (or qkv's heads Hq + h and Hq + Hkv + h); the caches come back as
+    # outputs aliased to inputs 2 and 3.
+    if qkv is None:
+      in_specs += [pl.BlockSpec((squeezed, squeezed, head_dim), lambda b, h, s: (b, h, 0))] * 2
+      operands += list(new)
+    else:
+      in_specs += [
+          pl.BlockSpec((squeezed, squeezed, head_dim),
+                       lambda b, h, s: (b, num_q_heads + h, 0)),
+          pl.BlockSpec((squeezed, squeezed, head_dim),
+                       lambda b, h, s: (b, num_q_heads + num_kv_heads + h, 0))]
+      operands += [qkv, qkv]
+    if rope is not None:
+      in_specs += [pl.BlockSpec((squeezed, head_dim), lambda b, h, s: (b, 0))] * 2
+      operands += list(rope)
     out_specs = (out_specs if isinstance(out_specs, list) else [out_specs]) + [cache_spec] * 2
     out_shape = (out_shape if isinstance(out_shape, list) else [out_shape]) + [
         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
