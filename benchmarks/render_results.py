@@ -241,6 +241,24 @@ def comparison(baseline_path: str, graph_paths: list[str], md_path: str, png_pat
     out.append(f"| {model} | {max_len} | {batch} | "
                + " | ".join(_fmt(ttft.get((s, model, max_len, batch)), 2) for s in systems)
                + " |")
+  out += ["", "Tokens per second (batch / decode step) and achieved HBM bandwidth (the floor's "
+          "bytes, weights + valid KV, over the step: TB/s, and the step as a multiple of the "
+          "floor).", "",
+          "| model | T | batch | " + " | ".join(systems) + " |",
+          "|---|---|---|" + "---|" * len(systems)]
+  for model, max_len, batch in cells:
+    floor = floors.get((model, max_len, batch))
+    entries = []
+    for system in systems:
+      step_us = step.get((system, model, max_len, batch))
+      if not step_us:
+        entries.append("-")
+        continue
+      entry = f"{batch * 1e6 / step_us:.0f} tok/s"
+      if floor:
+        entry += f", {HBM_TB_PER_S * floor / step_us:.2f} TB/s ({step_us / floor:.1f}x)"
+      entries.append(entry)
+    out.append(f"| {model} | {max_len} | {batch} | " + " | ".join(entries) + " |")
   with open(md_path, "w") as f:
     f.write("\n".join(out) + "\n")
 
