@@ -28,7 +28,8 @@
 #                  attention alone per model shape (cache 1024 and 4096), then whole steps
 #                  (Engine(decode_splits=...)) for gpt2 and llama-3.2-1b, one GPU each
 #   qkv            whole steps with the attention kernel reading q/k/v from the QKV output and
-#                  applying RoPE itself (Engine(decode_qkv="kernel")) against XLA's slices,
+#                  applying RoPE itself (Engine(decode_qkv="kernel")) against XLA's slices, and
+#                  the Pallas split combine (decode_combine="pallas") against XLA's two kernels,
 #                  gpt2 and llama-3.2-1b at batch 1, 8, 32, one GPU each
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
@@ -180,9 +181,10 @@ fi
 if has qkv; then  # on nvidia-h200-x2
   for g in 0 1; do
     m=$([ $g = 0 ] && echo gpt2 || echo llama-3.2-1b)
-    CUDA_VISIBLE_DEVICES=$g run qkv-$m 240 python3 benchmarks/graphs_bench.py --attention pallas \
+    CUDA_VISIBLE_DEVICES=$g run qkv-$m 330 python3 benchmarks/graphs_bench.py --attention pallas \
       --models $m --modes full --layer-loops unroll --batches 1,8,32 --traces $m \
-      --loop-batches none --decode-qkv xla,kernel --ttft-len 0 > "$out/qkv-gpu$g.log" 2>&1 &
+      --loop-batches none --decode-qkv xla,kernel --decode-combines xla,pallas --ttft-len 0 \
+      > "$out/qkv-gpu$g.log" 2>&1 &
   done
   wait
   grep -h " step " "$out"/qkv-gpu*.log | cut -c1-170

@@ -66,6 +66,8 @@ def main():
   parser.add_argument("--gemms", default="xla", help=f"comma list of GEMM backends: {list(GEMMS)}")
   parser.add_argument("--decode-splits", default="fixed",
                       help="comma list of Engine(decode_splits=...) values to compare")
+  parser.add_argument("--decode-combines", default="xla",
+                      help="comma list of Engine(decode_combine=...) values to compare")
   parser.add_argument("--decode-qkv", default="xla",
                       help="comma list of Engine(decode_qkv=...) values to compare")
   args = parser.parse_args()
@@ -88,17 +90,18 @@ def main():
                                   prompt_buckets=prompt_buckets, max_seq_len=args.max_seq_len,
                                   attention=args.attention, compilation_cache=False)
     reference_tokens = None
-    for (layer_loop, mode, matmul_rows, linear, cache_write, gemm, splits,
+    for (layer_loop, mode, matmul_rows, linear, cache_write, gemm, splits, combine,
          qkv) in itertools.product(
         args.layer_loops.split(","), args.modes.split(","),
         [int(r) for r in args.matmul_rows.split(",")], args.linears.split(","),
         args.cache_writes.split(","), args.gemms.split(","), args.decode_splits.split(","),
-        args.decode_qkv.split(",")):
+        args.decode_combines.split(","), args.decode_qkv.split(",")):
         try:
           engine = base.with_options(graphs=mode, layer_loop=layer_loop, compilation_cache=False,
                                      min_matmul_rows=matmul_rows, linear=linear,
                                      cache_write=cache_write, compiler_options=GEMMS[gemm],
-                                     decode_splits=splits, decode_qkv=qkv)
+                                     decode_splits=splits, decode_combine=combine,
+                                     decode_qkv=qkv)
           start = time.perf_counter()
           engine.warmup(batch_sizes=[1], phases=("prefill", "first", "decode"), progress=False)
           tokens = list(engine.generate(prompt, max_new_tokens=16, eos_token_id=[]))
@@ -112,7 +115,7 @@ def main():
             row = dict(meta, mode=mode, layer_loop=layer_loop, model=model,
                        batch=batch, min_matmul_rows=matmul_rows, linear=linear,
                        cache_write=cache_write, gemm=gemm, decode_splits=splits,
-                       decode_qkv=qkv,
+                       decode_combine=combine, decode_qkv=qkv,
                        compile_s=compile_s,
                        tokens_match_reference=tokens == reference_tokens)
             row.update(profile.time_decode(engine, batch, position=args.position))
@@ -127,7 +130,7 @@ def main():
               row["device_loop_kernel_launches_outside_graphs_per_token"] = (
                   loop_report.kernel_launches_outside_graphs_per_step)
             trace_dir = os.path.join(
-                "/tmp", f"trace_{model}_{layer_loop}_{mode}_{linear}_{cache_write}_{gemm}_{splits}_{qkv}_rows{matmul_rows}_{batch}")
+                "/tmp", f"trace_{model}_{layer_loop}_{mode}_{linear}_{cache_write}_{gemm}_{splits}_{combine}_{qkv}_rows{matmul_rows}_{batch}")
             report, trace_path = profile.profile_decode(engine, batch, position=args.position,
                                                         logdir=trace_dir)
             row.update(report.as_dict())
@@ -142,11 +145,11 @@ def main():
             if model in args.traces.split(",") and batch == 1:
               shutil.copy(trace_path, os.path.join(
                   args.out,
-                  f"trace_{model}_{layer_loop}_{mode}_{linear}_{cache_write}_{gemm}_{splits}_{qkv}_rows{matmul_rows}.json.gz"))
+                  f"trace_{model}_{layer_loop}_{mode}_{linear}_{cache_write}_{gemm}_{splits}_{combine}_{qkv}_rows{matmul_rows}.json.gz"))
             rows.append(row)
             write_rows(args.out, "graphs_rows.json", rows)
             print(f"{model:13s} {layer_loop:6s} {mode:11s} {linear:6s} {cache_write:7s} {gemm:6s} "
-                  f"{splits:6s} {qkv:6s} "
+                  f"{splits:6s} {combine:6s} {qkv:6s} "
                   f"rows>={matmul_rows:<2d} "
                   f"B={batch:<2d} step {row['step_us']:8.1f} us "
                   f"readback {row['step_readback_us']:8.1f} loop {row['device_loop_token_us']:8.1f} "
@@ -157,25 +160,25 @@ def main():
                   f"match {row['tokens_match_reference']} compile {compile_s:.0f}s", flush=True)
         except Exception as error:  # noqa: BLE001 -- a failed configuration is a row
           rows.append(failed_row(
-              meta, error, f"{model} {layer_loop} {mode} {linear} {cache_write} {gemm} {splits} {qkv} "
+              meta, error, f"{model} {layer_loop} {mode} {linear} {cache_write} {gemm} {splits} {combine} {qkv} "
               f"rows>={matmul_rows}", mode=mode, layer_loop=layer_loop, model=model, batch=None,
               min_matmul_rows=matmul_rows, linear=linear, cache_write=cache_write, gemm=gemm,
-              decode_splits=splits, decode_qkv=qkv))
+              decode_splits=splits, decode_combine=combine, decode_qkv=qkv))
           write_rows(args.out, "graphs_rows.json", rows)
         engine = None
     del base
 
-  print("\nmodel          loop   mode        linear write   gemm   splits qkv    rows B   step_us  readback  loop/tok kern/step graphs/step "
+  print("\nmodel          loop   mode        linear write   gemm   splits merge  qkv    rows B   step_us  readback  loop/tok kern/step graphs/step "
         "outside disp_us idle  floor")
   for r in rows:
     if r.get("status") == "failed":
       print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} {r['linear']:6s} "
-            f"{r['cache_write']:7s} {r['gemm']:6s} {r['decode_splits']:6s} {r['decode_qkv']:6s} "
-            f"FAILED: {r['error'][:120]}")
+            f"{r['cache_write']:7s} {r['gemm']:6s} {r['decode_splits']:6s} "
+            f"{r['decode_combine']:6s} {r['decode_qkv']:6s} FAILED: {r['error'][:120]}")
       continue
     print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} {r['linear']:6s} "
-          f"{r['cache_write']:7s} {r['gemm']:6s} {r['decode_splits']:6s} {r['decode_qkv']:6s} "
-          f"{r['min_matmul_rows']:<4d} "
+          f"{r['cache_write']:7s} {r['gemm']:6s} {r['decode_splits']:6s} "
+          f"{r['decode_combine']:6s} {r['decode_qkv']:6s} {r['min_matmul_rows']:<4d} "
           f"{r['batch']:<3d} "
           f"{r['step_us']:8.1f} {r['step_readback_us']:9.1f} {r['device_loop_token_us']:9.1f} "
           f"{r['kernels_per_step']:9.1f} {r['graph_launches_per_step']:11.1f} "

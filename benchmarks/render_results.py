@@ -195,6 +195,7 @@ def _cg_jax_rows(paths: list[str]) -> list[dict]:
       if (r.get("mode") == "full" and r.get("layer_loop") == "unroll"
           and r.get("cache_write") != "scatter" and r.get("gemm", "xla") == "xla"
           and r.get("decode_splits", "fixed") == "fixed" and r.get("decode_qkv", "xla") == "xla"
+          and r.get("decode_combine", "xla") == "xla"
           and r.get("status") != "failed"):
         rows.append(dict(r, system=f"cg_jax ({r.get('attention', 'xla')} attention)",
                          max_len=r["max_seq_len"]))

@@ -27,8 +27,8 @@ from cg_jax.sampling import SamplingArrays
 from cg_jax.sharding import TensorParallel, check_tensor_parallel, from_shard_major, to_shard_major
 from cg_jax.steps import LoopState, SplitModel, StepFunctions
 from models import hf
-from models.attention import (CACHE_WRITES, DECODE_QKV, DECODE_SPLITS, check_backend,
-                              default_backend as default_attention)
+from models.attention import (CACHE_WRITES, DECODE_COMBINES, DECODE_QKV, DECODE_SPLITS,
+                              check_backend, default_backend as default_attention)
 from models.config import PRESETS, DecoderConfig
 from models.decoder import (LAYER_LOOPS, Decoder, KVCache, cache_bytes, check_linear_backend,
                             init_cache)
@@ -53,6 +53,7 @@ class EngineConfig:
   tensor_parallel: devices the model is split over (`cg_jax.sharding`).
   cache_write: decode steps' cache write with Pallas attention, "fused" or "scatter".
   decode_splits: the fused decode kernel's split of each row's keys, "fixed" or "length".
+  decode_combine: what merges the fused decode kernel's split-K partials, "xla" or "pallas".
   decode_qkv: who slices the QKV output and applies RoPE in decode steps, "xla" or "kernel".
   compiler_options: XLA options applied to every executable (the graph mode's, plus extras).
   """
@@ -69,6 +70,7 @@ class EngineConfig:
   tensor_parallel: int = 1
   cache_write: str = "fused"
   decode_splits: str = "fixed"
+  decode_combine: str = "xla"
   decode_qkv: str = "xla"
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
@@ -167,6 +169,9 @@ class Engine:
     decode_splits: with the fused cache write, how the decode kernel spreads each row's valid
       keys over its split-K programs: "fixed" (default) cuts the whole cache into fixed windows
       (programs past a row's length idle); "length" shares the row's keys among the programs.
+    decode_combine: with the fused cache write, what merges the decode kernel's split-K
+      partials: "xla" (default; two XLA kernels per layer) or "pallas" (one Pallas kernel,
+      `cg_jax.kernels.split_combine`).
     decode_qkv: "xla" (default): XLA slices each decode step's fused QKV output into q, k, v
       and applies RoPE; "kernel": with Pallas attention, unrolled layers and the fused cache
       write, the attention kernel reads them from that output in place and rotates q and the new
@@ -185,7 +190,8 @@ class Engine:
                layer_loop: str | None = None, graphs: str = "xla-default",
                decode_loop_steps: int = 16, readback_lag: int = 2, min_matmul_rows: int = 8,
                linear: str = "xla", tensor_parallel: int = 1, cache_write: str = "fused",
-               decode_splits: str = "fixed", decode_qkv: str = "xla", compiler_options: Mapping[str, Any] | None = None,
+               decode_splits: str = "fixed", decode_combine: str = "xla",
+               decode_qkv: str = "xla", compiler_options: Mapping[str, Any] | None = None,
                compilation_cache: str | bool = True, memory_limit_bytes: int | None = None,
                seed: int = 0):
     self.model_config = config
@@ -222,6 +228,9 @@ class Engine:
       raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {cache_write!r}")
     if decode_splits not in DECODE_SPLITS:
       raise ValueError(f"decode_splits must be one of {DECODE_SPLITS}, got {decode_splits!r}")
+    if decode_combine not in DECODE_COMBINES:
+      raise ValueError(f"decode_combine must be one of {DECODE_COMBINES}, "
+                       f"got {decode_combine!r}")
     if decode_qkv not in DECODE_QKV:
       raise ValueError(f"decode_qkv must be one of {DECODE_QKV}, got {decode_qkv!r}")
     if decode_qkv == "kernel" and tensor_parallel != 1:
@@ -231,7 +240,8 @@ class Engine:
         max_seq_len=max_seq_len, buckets=buckets, attention=attention, layer_loop=layer_loop,
         graphs=graphs, decode_loop_steps=decode_loop_steps, readback_lag=readback_lag,
         min_matmul_rows=min_matmul_rows, linear=linear, tensor_parallel=tensor_parallel,
-        cache_write=cache_write, decode_splits=decode_splits, decode_qkv=decode_qkv,
+        cache_write=cache_write, decode_splits=decode_splits, decode_combine=decode_combine,
+        decode_qkv=decode_qkv,
         compiler_options=tuple(sorted(options.items())))
     self._parallel = TensorParallel.over(tensor_parallel) if tensor_parallel > 1 else None
     self._check_memory(memory_limit_bytes)
@@ -263,7 +273,7 @@ class Engine:
     mesh = None if self._parallel is None else self._parallel.mesh
     self._steps = StepFunctions(self._split, attention, layer_loop, decode_loop_steps,
                                 min_matmul_rows, linear, mesh, cache_write, decode_splits,
-                                decode_qkv)
+                                decode_combine, decode_qkv)
     self._executables: dict[tuple, Any] = {}
     self._compile_times: dict[tuple, float] = {}
     self._cache: KVCache | None = None
@@ -323,6 +333,7 @@ class Engine:
                    tensor_parallel=self.config.tensor_parallel,
                    cache_write=self.config.cache_write,
                    decode_splits=self.config.decode_splits,
+                   decode_combine=self.config.decode_combine,
                    decode_qkv=self.config.decode_qkv,
                    compiler_options=self._extra_compiler_options)
     options.update(engine_options)
@@ -485,6 +496,7 @@ class Engine:
         "tensor_parallel": self.config.tensor_parallel,
         "cache_write": self.config.cache_write,
         "decode_splits": self.config.decode_splits,
+        "decode_combine": self.config.decode_combine,
         "decode_qkv": self.config.decode_qkv,
         "compiler_options": dict(self.config.compiler_options),
         "max_seq_len": self.config.max_seq_len,

@@ -80,6 +80,7 @@ class StepFunctions:
     mesh: the tensor-parallel mesh (`cg_jax.sharding`), or None on one device.
     cache_write: decode steps' cache write, "fused" into the Pallas attention or "scatter".
     decode_splits: the fused decode kernel's split of each row's keys, "fixed" or "length".
+    decode_combine: what merges its split-K partials, "xla" or "pallas".
     decode_qkv: who slices the fused QKV output and applies RoPE in decode steps, "xla" or
       "kernel" (the fused decode attention kernel).
   """
@@ -93,6 +94,7 @@ class StepFunctions:
   mesh: Any = None
   cache_write: str = "fused"
   decode_splits: str = "fixed"
+  decode_combine: str = "xla"
   decode_qkv: str = "xla"
 
   @property
@@ -100,7 +102,7 @@ class StepFunctions:
     return {"attention": self.attention, "layer_loop": self.layer_loop,
             "min_matmul_rows": self.min_matmul_rows, "linear": self.linear, "mesh": self.mesh,
             "cache_write": self.cache_write, "decode_splits": self.decode_splits,
-            "decode_qkv": self.decode_qkv}
+            "decode_combine": self.decode_combine, "decode_qkv": self.decode_qkv}
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)

@@ -141,6 +141,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float, backend: 
 CACHE_WRITES = ("fused", "scatter")
 # How the fused decode kernel spreads a row's keys over its split-K programs.
 DECODE_SPLITS = ("fixed", "length")
+# What merges the decode kernel's split-K partials: two XLA kernels, or one Pallas kernel.
+DECODE_COMBINES = ("xla", "pallas")
 # Who slices the decode step's fused QKV output and applies RoPE: XLA ops before the attention,
 # or the fused decode kernel itself.
 DECODE_QKV = ("xla", "kernel")
@@ -148,7 +150,8 @@ DECODE_QKV = ("xla", "kernel")
 
 def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, layer,
                                sm_scale: float, backend: Backend = "xla", mesh=None,
-                               cache_write: str = "fused", decode_splits: str = "fixed"):
+                               cache_write: str = "fused", decode_splits: str = "fixed",
+                               decode_combine: str = "xla"):
   """Write one new token's key and value per row into layer `layer` of the stacked caches and
   attend to the cache up to and including it.
 
@@ -161,9 +164,7 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
   Returns:
     (out [P, Hq, D], k_all, v_all) with the new keys and values written.
 
-  decode_splits (fused kernel only): "fixed" cuts the cache into fixed windows per program;
-  "length" shares each row's valid keys among the same programs
-  (`DecodeAttentionConfig.length_splits`).
+  decode_splits, decode_combine (fused kernel only): see `decode_kernel_config`.
 
   With the Pallas backend, a static layer and cache_write="fused", one kernel does both
   (`decode_attention_with_write`: the caches are updated in place, no scatter kernels); otherwise
@@ -174,14 +175,13 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
   """
   padded, batch = q.shape[0], positions.shape[0]
   if backend == "pallas" and isinstance(layer, int) and cache_write == "fused":
-    from cg_jax.kernels.decode_attention import (DecodeAttentionConfig,
-                                                 decode_attention_with_write)
+    from cg_jax.kernels.decode_attention import decode_attention_with_write
 
     def kernel(q, k_new, v_new, k_all, v_all, lengths):
       return decode_attention_with_write(q, k_new, v_new, k_all, v_all, lengths, layer=layer,
                                          sm_scale=sm_scale,
-                                         config=DecodeAttentionConfig(
-                                             length_splits=decode_splits == "length"),
+                                         config=decode_kernel_config(decode_splits,
+                                                                     decode_combine),
                                          interpret=interpret_pallas())
     if mesh is not None:
       heads, cache = _heads(mesh, 3, 1), _heads(mesh, 5, 3)
@@ -200,8 +200,18 @@ def decode_attention_and_write(q, k_new, v_new, k_all, v_all, positions, *, laye
   return out, k_all, v_all
 
 
+def decode_kernel_config(decode_splits: str = "fixed", decode_combine: str = "xla"):
+  """The fused decode kernel's `DecodeAttentionConfig`: "fixed" cuts the cache into fixed
+  windows per split-K program, "length" shares each row's valid keys among the same programs
+  (`length_splits`); their partials are merged by XLA or by one Pallas kernel (`combine`)."""
+  from cg_jax.kernels.decode_attention import DecodeAttentionConfig
+
+  return DecodeAttentionConfig(length_splits=decode_splits == "length", combine=decode_combine)
+
+
 def decode_attention_and_write_qkv(qkv, k_all, v_all, positions, rope, *, layer: int,
-                                   sm_scale: float, decode_splits: str = "fixed"):
+                                   sm_scale: float, decode_splits: str = "fixed",
+                                   decode_combine: str = "xla"):
   """`decode_attention_and_write` for the fused Pallas kernel fed by the unsliced QKV output.
 
   Args:
@@ -213,14 +223,12 @@ def decode_attention_and_write_qkv(qkv, k_all, v_all, positions, rope, *, layer:
   Returns:
     (out [P, Hq, D], k_all, v_all).
   """
-  from cg_jax.kernels.decode_attention import (DecodeAttentionConfig,
-                                               decode_attention_with_write_qkv)
+  from cg_jax.kernels.decode_attention import decode_attention_with_write_qkv
 
   padded, batch = qkv.shape[0], positions.shape[0]
   out, k_all, v_all = decode_attention_with_write_qkv(
       qkv[:batch], k_all, v_all, positions + 1, rope, layer=layer, sm_scale=sm_scale,
-      config=DecodeAttentionConfig(length_splits=decode_splits == "length"),
-      interpret=interpret_pallas())
+      config=decode_kernel_config(decode_splits, decode_combine), interpret=interpret_pallas())
   # [B, Hq, D] -> [P, Hq, D]
   return jnp.pad(out, ((0, padded - batch), (0, 0), (0, 0))), k_all, v_all
 

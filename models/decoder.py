@@ -401,7 +401,7 @@ class Decoder(nnx.Module):
   def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
              layer_loop: str = "scan", min_matmul_rows: int = 1, linear: str = "xla",
              mesh=None, cache_write: str = "fused", decode_splits: str = "fixed",
-             decode_qkv: str = "xla"):
+             decode_combine: str = "xla", decode_qkv: str = "xla"):
     """One decode step: each row's token is written at its own position and attends to the
     cache up to and including it.
 
@@ -421,8 +421,9 @@ class Decoder(nnx.Module):
       cache_write: "fused" (the Pallas attention kernel stores the new key/value itself, in
         place) or "scatter" (an XLA scatter per layer before attention); see
         `models.attention.decode_attention_and_write`.
-      decode_splits: "fixed" or "length", the fused kernel's split of each row's keys (same
-        function).
+      decode_splits, decode_combine: the fused kernel's split of each row's keys ("fixed" or
+        "length") and what merges its splits ("xla" or "pallas"); see
+        `models.attention.decode_kernel_config`.
       decode_qkv: "xla" (XLA slices the fused QKV output and applies RoPE) or "kernel": with the
         Pallas backend, unrolled layers, the fused cache write and one device, the attention
         kernel reads q, k and v from the QKV output in place and applies RoPE itself
@@ -447,7 +448,7 @@ class Decoder(nnx.Module):
         # qkv [P, Nq + 2K, H] -> [P, Nq, H]; the real rows' new K/V -> cache[layer, b, pos]
         out, cache_out["k"], cache_out["v"] = decode_attention_and_write_qkv(
             qkv, k_all, v_all, positions, rope, layer=layer, sm_scale=self._sm_scale,
-            decode_splits=decode_splits)
+            decode_splits=decode_splits, decode_combine=decode_combine)
         return out
 
       in_kernel = (decode_qkv == "kernel" and attention == "pallas" and isinstance(layer, int)
@@ -459,7 +460,7 @@ class Decoder(nnx.Module):
         out, cache_out["k"], cache_out["v"] = decode_attention_and_write(
             q[:, 0], k[:, 0], v[:, 0], k_all, v_all, positions, layer=layer,
             sm_scale=self._sm_scale, backend=attention, mesh=mesh, cache_write=cache_write,
-            decode_splits=decode_splits)
+            decode_splits=decode_splits, decode_combine=decode_combine)
         return out[:, None]
 
       if linear == "pallas":

@@ -46,7 +46,8 @@ def test_length_splits_give_the_same_tokens():
 def test_qkv_read_and_rotated_in_the_kernel_give_the_same_tokens(model):
   """decode_qkv="kernel": the fused decode kernel reads q, k and v from the QKV output in place
   and applies RoPE itself (tiny-llama; tiny-gpt2 has none, but a QKV bias); the tokens equal the
-  XLA backend's, with fixed and with length splits over a 4-split cache."""
+  XLA backend's, with fixed and with length splits over a 4-split cache, and with the Pallas
+  split combine."""
   xla = Engine.from_pretrained(model, attention="xla", batch_buckets=(2,), prompt_buckets=(96,),
                                max_seq_len=256)
   prompts = [list(range(3, 83)), [38, 46]]
@@ -56,6 +57,12 @@ def test_qkv_read_and_rotated_in_the_kernel_give_the_same_tokens(model):
   assert in_kernel.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
   by_length = in_kernel.with_options(decode_splits="length")
   assert by_length.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
+  # ... and with the splits merged by the Pallas combine kernel, with and without the QKV read.
+  combined = in_kernel.with_options(decode_combine="pallas")
+  assert combined.stats()["decode_combine"] == "pallas"
+  assert combined.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
+  sliced = combined.with_options(decode_qkv="xla")
+  assert sliced.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
 
 
 def test_cpu_default_is_xla():

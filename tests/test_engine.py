@@ -261,6 +261,7 @@ def test_kv_cache_too_large_fails_at_construction():
     (dict(linear="cublas"), "linear must be one of"),
     (dict(cache_write="inplace"), r"cache_write must be one of \('fused', 'scatter'\), got 'inplace'"),
     (dict(decode_splits="even"), r"decode_splits must be one of \('fixed', 'length'\), got 'even'"),
+    (dict(decode_combine="cuda"), r"decode_combine must be one of \('xla', 'pallas'\), got 'cuda'"),
     (dict(decode_qkv="triton"), r"decode_qkv must be one of \('xla', 'kernel'\), got 'triton'"),
     (dict(decode_qkv="kernel", tensor_parallel=2),
      r"decode_qkv='kernel' needs tensor_parallel=1, got 2"),

@@ -43,7 +43,8 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
 
 def test_decode_step_with_qkv_in_the_kernel_lowers_for_h200(monkeypatch):
   """decode_qkv="kernel" on tiny-llama: one decode-attention Triton call per layer, and RoPE's
-  angles computed once per step (the kernel rotates; "xla" rotates q and k in every layer)."""
+  angles computed once per step (the kernel rotates; "xla" rotates q and k in every layer); with
+  decode_combine="pallas" also one split-combine call per layer (the cache has 2 splits)."""
   engine = Engine.from_pretrained("tiny-llama", dtype="bfloat16", batch_buckets=(1, 4),
                                   prompt_buckets=(16,), max_seq_len=128, attention="pallas",
                                   layer_loop="unroll", decode_qkv="kernel")
@@ -51,12 +52,15 @@ def test_decode_step_with_qkv_in_the_kernel_lowers_for_h200(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
   texts = {}
-  for mode in ("kernel", "xla"):
-    steps = engine.with_options(decode_qkv=mode)._steps
-    texts[mode] = lower_for_h200(steps.decode, *engine._specs(), i32, i32, None,
+  for name, options in (("kernel", dict(decode_qkv="kernel")), ("xla", dict(decode_qkv="xla")),
+                        ("combine", dict(decode_qkv="kernel", decode_combine="pallas"))):
+    steps = engine.with_options(**options)._steps
+    texts[name] = lower_for_h200(steps.decode, *engine._specs(), i32, i32, None,
                                  donate_argnums=(1, 2, 3))
   calls = re.findall(r"call @(decode_attention\w*)\(", texts["kernel"])
   assert len(calls) == layers, calls
   assert "custom_call @__gpu$xla.gpu.triton" in texts["kernel"]
   assert texts["kernel"].count("stablehlo.cosine") == 1
   assert texts["xla"].count("stablehlo.cosine") == 2 * layers
+  assert "split_combine" not in texts["kernel"]
+  assert len(re.findall(r"call @(split_combine\w*)\(", texts["combine"])) == layers

@@ -30,7 +30,8 @@ def test_comparison_ratios_throughput_and_the_rows_it_takes(tmp_path):
             dict(ours, step_us=50.0, cache_write="scatter"),
             dict(ours, step_us=60.0, gemm="cublas"),
             dict(ours, step_us=70.0, decode_splits="length"),
-            dict(ours, step_us=80.0, decode_qkv="kernel")]
+            dict(ours, step_us=80.0, decode_qkv="kernel"),
+            dict(ours, step_us=90.0, decode_combine="pallas")]
   md, png = tmp_path / "c.md", tmp_path / "c.png"
   render_results.comparison(_write(tmp_path / "b.json", baselines),
                             [_write(tmp_path / "g.json", graphs)], str(md), str(png))

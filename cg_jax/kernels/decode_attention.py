@@ -14,10 +14,11 @@ cache along the key axis:
      `DecodeAttentionConfig.length_splits` the same programs share each row's valid keys instead
      (whole blocks each, found from `lengths[b]`), so a short row in a long cache is still
      spread over its programs.
-  2. The per-split partials are combined in plain jnp: the max over splits, each split rescaled by
-     exp(m_split - m_max), summed, and divided by the summed denominator. A row with no valid key
-     (length 0) gets zeros, never NaN. When the cache fits one split, the kernel normalises and
-     writes the result itself: one kernel, no combine.
+  2. The per-split partials are combined (`cg_jax.kernels.split_combine`: in plain jnp, or with
+     `DecodeAttentionConfig.combine="pallas"` as one kernel): the max over splits, each split
+     rescaled by exp(m_split - m_max), summed, and divided by the summed denominator. A row with
+     no valid key (length 0) gets zeros, never NaN. When the cache fits one split, the kernel
+     normalises and writes the result itself: one kernel, no combine.
 
 Triton dots need every dimension >= 16 and power-of-two shapes, so the kernel handles the query
 group as max(16, next_pow2(Hq // Hkv)) rows through masked loads and stores (the extra rows read as
@@ -47,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
+from cg_jax.kernels.split_combine import split_combine, split_combine_reference
 
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -77,6 +79,8 @@ class DecodeAttentionConfig:
       valid keys are shared among them (whole blocks of block_k keys each), so that no program
       of a row with keys idles however short the row is against T; False splits the whole cache
       T into fixed windows of split_size keys.
+    combine: how several splits' partials are merged: "xla" (`split_combine_reference`, two XLA
+      kernels) or "pallas" (`split_combine`, one kernel).
   """
 
   block_k: int = 64
@@ -85,6 +89,7 @@ class DecodeAttentionConfig:
   num_warps: int = 4
   num_stages: int = 2
   length_splits: bool = False
+  combine: str = "xla"
 
   def __post_init__(self):
     for name in ("block_k", "split_size", "num_warps"):
@@ -107,6 +112,9 @@ class DecodeAttentionConfig:
     if not isinstance(self.length_splits, bool):
       raise ValueError(f"DecodeAttentionConfig.length_splits must be a bool, "
                        f"got {self.length_splits!r}")
+    if self.combine not in ("xla", "pallas"):
+      raise ValueError(f"DecodeAttentionConfig.combine must be 'xla' or 'pallas', "
+                       f"got {self.combine!r}")
 
 
 def _check_shapes(q, k_cache, v_cache, lengths) -> None:
@@ -136,28 +144,6 @@ def _check_shapes(q, k_cache, v_cache, lengths) -> None:
   if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
     raise ValueError(f"q, k_cache and v_cache must share a dtype; got q {q.dtype}, "
                      f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-
-
-def _combine_splits(split_acc, split_max, split_denom):
-  """Merges per-split online-softmax partials into normalised outputs.
-
-  Args:
-    split_acc: float32 [..., S, G, D] unnormalised sums of exp(score - split_max) * v.
-    split_max: float32 [..., S, G] running maxima (-inf for a split with no valid key).
-    split_denom: float32 [..., S, G] sums of exp(score - split_max) (0 for an empty split).
-  Returns:
-    float32 [..., G, D]; zeros where no split saw a valid key.
-  """
-  # [..., G]: a row with no valid key anywhere has max -inf; use 0 so exp(-inf - 0) = 0, not NaN.
-  global_max = jnp.max(split_max, axis=-2)
-  global_max = jnp.where(jnp.isfinite(global_max), global_max, 0.0)
-  # [..., S, G]
-  split_weight = jnp.exp(split_max - global_max[..., None, :])
-  # [..., G]
-  denom = jnp.sum(split_denom * split_weight, axis=-2)
-  # [..., G, D]
-  acc = jnp.sum(split_acc * split_weight[..., None], axis=-3)
-  return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def _rotate_half(x):
@@ -190,7 +176,7 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   `length_splits`, the whole cache rounded up to a power of two, this split's keys found from
   the length). Outputs:
   with one split, out_ref [G, D] (the normalised result in q's dtype); with several, the
-  partials acc_ref [G, D] f32 and max_ref, denom_ref [G] f32 for `_combine_splits`. The G query
+  partials acc_ref [G, D] f32 and max_ref, denom_ref [G] f32 for `split_combine`. The G query
   rows are handled as `padded_group` (>= 16 for Triton dots) through masked loads and stores.
   """
   if writes_new:
@@ -475,7 +461,7 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
     out_specs = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
     out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), q.dtype)
   else:
-    # Per-split partials, merged by `_combine_splits`.
+    # Per-split partials, merged by `split_combine` (or its jnp reference).
     out_specs = [
         pl.BlockSpec((squeezed, squeezed, squeezed, group, head_dim),
                      lambda b, h, s: (b, h, s, 0, 0)),
@@ -539,7 +525,12 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
     result = result[0] if num_splits == 1 else result
 
   # [B, Hkv, G, D] -> [B, Hq, D]
-  out = result if num_splits == 1 else _combine_splits(*result)
+  if num_splits == 1:
+    out = result
+  elif config.combine == "pallas":
+    out = split_combine(*result, out_dtype=q.dtype, interpret=interpret)
+  else:
+    out = split_combine_reference(*result)
   out = out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
   return out if caches is None else (out, *caches)
 

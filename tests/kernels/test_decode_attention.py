@@ -106,6 +106,17 @@ def test_kernel_matches_float64_reference(case, length_splits):
       assert np.all(np.asarray(out[row], np.float32) == 0.0)
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[8]], ids=str)
+def test_pallas_combine_matches_float64_reference(case):
+  """Several splits merged by the split-combine kernel instead of XLA."""
+  case = dataclasses.replace(case, config=dataclasses.replace(case.config, combine="pallas"))
+  inputs = make_inputs(case, seed=3)
+  out = run_kernel(case, *inputs)
+  assert out.dtype == jnp.dtype(case.dtype)
+  assert_kernel_close(out, float64_reference(*inputs, sm_scale=case.sm_scale), case.dtype,
+                      what=f"decode_attention[{case}, pallas combine]")
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]], ids=str)
 def test_jnp_reference_matches_float64_reference(case):
   inputs = make_inputs(case, seed=1)
@@ -209,6 +220,7 @@ def test_split_layout_spreads_small_launches(batch, kv_heads, cache_len, expecte
     (dict(num_stages=0), "num_stages"),
     (dict(min_programs=-1), "min_programs"),
     (dict(length_splits=1), "length_splits"),
+    (dict(combine="triton"), "combine"),
 ])
 def test_config_validation(fields, name):
   with pytest.raises(ValueError, match=name):
@@ -243,8 +255,10 @@ def test_stacked_cache_with_layer_reads_that_layer_in_place(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("config", [SMALL_BLOCKS, DecodeAttentionConfig(min_programs=0),
                                     DecodeAttentionConfig(block_k=16, split_size=16),
-                                    dataclasses.replace(SMALL_BLOCKS, length_splits=True)],
-                         ids=["splits32", "one-split", "splits16", "length-splits"])
+                                    dataclasses.replace(SMALL_BLOCKS, length_splits=True),
+                                    dataclasses.replace(SMALL_BLOCKS, combine="pallas")],
+                         ids=["splits32", "one-split", "splits16", "length-splits",
+                              "pallas-combine"])
 def test_write_and_attend_matches_scatter_then_float64_attention(dtype, config):
   """decode_attention_with_write stores each row's new key/value at (layer, b, length - 1) and
   attends to it: the caches equal the scatter's exactly (rows past the batch, other layers and
