@@ -168,7 +168,7 @@ fi
 if has splits; then  # on nvidia-h200-x2
   for g in 0 1; do
     m=$([ $g = 0 ] && echo gpt2 || echo llama-3.2-1b)
-    (CUDA_VISIBLE_DEVICES=$g run splits-attention-$m 150 python3 benchmarks/attention_bench.py \
+    (CUDA_VISIBLE_DEVICES=$g run splits-attention-$m 200 python3 benchmarks/attention_bench.py \
        --parts decode-step --step-models $m --batches 1,8,32 --cache-lens 1024,4096
      CUDA_VISIBLE_DEVICES=$g run splits-steps-$m 240 python3 benchmarks/graphs_bench.py \
        --attention pallas --models $m --modes full --layer-loops unroll --batches 1,8,32 \
