@@ -142,7 +142,9 @@ if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host whil
   echo "=== graphs-gemm ($(date +%T)) ==="
   ck=/tmp/cg_jax_ckpt_gemm
   mkdir -p $ck
-  for m in $(echo "${CELLS0:-gpt2 gpt2-large} ${CELLS1:-llama-3.2-1b}" | grep -o -E "(^| )[a-z0-9.-]+" | sort -u); do
+  cells0=${CELLS0:-gpt2:1024:xla,cublas,cublaslt gpt2-large:1024:xla}
+  cells1=${CELLS1:-llama-3.2-1b:1024:xla,cublas,cublaslt llama-3.2-1b:4096:xla}
+  for m in $(for cell in $cells0 $cells1; do echo "${cell%%:*}"; done | sort -u); do
     (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 benchmarks/make_checkpoints.py --out-dir $ck \
        --models $m > "$out/checkpoint_$m.log" 2>&1; echo $? > $ck/$m.exit) &
   done
@@ -157,9 +159,8 @@ if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host whil
         --gemms $gemms
     done
   }
-  cells 0 ${CELLS0:-gpt2:1024:xla,cublas,cublaslt gpt2-large:1024:xla} > "$out/gemm-gpu0.log" 2>&1 &
-  cells 1 ${CELLS1:-llama-3.2-1b:1024:xla,cublas,cublaslt llama-3.2-1b:4096:xla} \
-    > "$out/gemm-gpu1.log" 2>&1
+  cells 0 $cells0 > "$out/gemm-gpu0.log" 2>&1 &
+  cells 1 $cells1 > "$out/gemm-gpu1.log" 2>&1
   wait
   grep -h " step " "$out"/gemm-gpu*.log | cut -c1-150 | sort
   grep -h -E "FAILED|Error" "$out"/gemm-gpu*.log | cut -c1-300

@@ -224,15 +224,12 @@ class Engine:
         or not 1 <= min_matmul_rows <= 64):
       raise ValueError(f"min_matmul_rows must be an int in [1, 64], got {min_matmul_rows!r}")
     check_linear_backend(config, linear)
-    if cache_write not in CACHE_WRITES:
-      raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {cache_write!r}")
-    if decode_splits not in DECODE_SPLITS:
-      raise ValueError(f"decode_splits must be one of {DECODE_SPLITS}, got {decode_splits!r}")
-    if decode_combine not in DECODE_COMBINES:
-      raise ValueError(f"decode_combine must be one of {DECODE_COMBINES}, "
-                       f"got {decode_combine!r}")
-    if decode_qkv not in DECODE_QKV:
-      raise ValueError(f"decode_qkv must be one of {DECODE_QKV}, got {decode_qkv!r}")
+    for name, value, choices in (("cache_write", cache_write, CACHE_WRITES),
+                                 ("decode_splits", decode_splits, DECODE_SPLITS),
+                                 ("decode_combine", decode_combine, DECODE_COMBINES),
+                                 ("decode_qkv", decode_qkv, DECODE_QKV)):
+      if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     if decode_qkv == "kernel" and tensor_parallel != 1:
       raise ValueError(f"decode_qkv='kernel' needs tensor_parallel=1, got {tensor_parallel}")
     check_tensor_parallel(config, tensor_parallel, linear)

@@ -436,9 +436,9 @@ class Decoder(nnx.Module):
     stacked = self._layer_weights()
 
     c = self.config
-    # (cos, sin) float32 [B, H] at the rows' positions, shared by every layer
+    # (cos, sin) float32 [B, H] at the rows' positions, shared by every layer's kernel
     rope = (rope_cos_sin(positions, jnp.asarray(rope_inverse_frequencies(c)))
-            if c.uses_rope else None)
+            if c.uses_rope and decode_qkv == "kernel" else None)
 
     def body(carry, w, layer):
       x, k_all, v_all = carry
