@@ -30,8 +30,7 @@ def _idle_queue_call_us(engine: Engine, step, weights, batch: int, position: int
                         repeats: int = 32) -> float:
   """Median host time of `step(weights, cache, tokens, positions)` -> (cache, tokens,
   positions), all three donated, each call issued into an idle queue."""
-  engine.warmup(phases=(), progress=False)  # allocates the KV cache
-  cache = engine._cache
+  cache = engine.kv_cache.get()  # allocates the KV cache
   tokens, positions = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), position, jnp.int32)
   cache, tokens, positions = step(weights, cache, tokens, positions)
   times = []
@@ -40,7 +39,7 @@ def _idle_queue_call_us(engine: Engine, step, weights, batch: int, position: int
     start = time.perf_counter()
     cache, tokens, positions = step(weights, cache, tokens, positions)
     times.append(time.perf_counter() - start)
-  engine._cache = cache
+  engine.kv_cache.set(cache)
   return statistics.median(times) * 1e6
 
 
@@ -58,18 +57,17 @@ def no_emitted_dispatch_us(engine: Engine, batch: int, position: int) -> float:
   """Host time of one decode step into an idle queue when the step returns only its donated
   state (no separate `emitted` token output), to see whether that fresh output is one of the
   allocations XLA re-records the graph for on every call."""
-  steps = engine._steps
+  steps = engine.executables.steps
 
   def decode_state_only(weights, cache, tokens, positions):
     _, tokens, positions, cache = steps.decode(weights, cache, tokens, positions, None)
     return cache, tokens, positions
 
-  weights = engine._split.weights
-  engine.warmup(phases=(), progress=False)
-  specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                       (weights, engine._cache, jnp.zeros((batch,), jnp.int32)))
+  weights = steps.split.weights
+  specs = (steps.split.specs(), engine.executables.cache_spec(),
+           jax.ShapeDtypeStruct((batch,), jnp.int32))
   step = jax.jit(decode_state_only, donate_argnums=(1, 2, 3)).lower(
-      *specs, specs[-1]).compile(compiler_options=dict(engine.config.compiler_options))
+      *specs, specs[-1]).compile(compiler_options=engine.config.xla_options)
   return _idle_queue_call_us(engine, step, weights, batch, position)
 
 

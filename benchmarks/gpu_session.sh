@@ -14,8 +14,7 @@
 #   attention-decode  the decode-attention rows of `attention` only
 #   attention-step the decode step's cache write + attention per model shape at B=8/32: default
 #                  launch config against pinned splits (the B=32 attention is 19 us/layer in gpt2)
-#   linear         decode projections in-graph: fused Pallas kernel against XLA
-#   matmul-rows    the step with XLA products on 1, 8 or 16 rows, and with fused Pallas ones
+#   matmul-rows    the step with its products on 1, 8 or 16 rows (Engine(min_matmul_rows=...))
 #   graphs-all     every graph mode x model x batch with Pallas attention
 #   graphs-final   off/xla-default on gpt2, full on every model at batch 1, 8, 32
 #   graphs-write   full mode, gpt2 and llama-3.2-1b at batch 1, 8, 32: fused cache write vs scatter
@@ -26,11 +25,9 @@
 #                  (CELLS0 / CELLS1: each GPU's model:max_len:gemms list; BATCHES)
 #   splits         the decode kernel's keys in fixed windows against shared by row length: the
 #                  attention alone per model shape (cache 1024 and 4096), then whole steps
-#                  (Engine(decode_splits=...)) for gpt2 and llama-3.2-1b, one GPU each
-#   qkv            whole steps with the attention kernel reading q/k/v from the QKV output and
-#                  applying RoPE itself (Engine(decode_qkv="kernel")) against XLA's slices, and
-#                  the Pallas split combine (decode_combine="pallas") against XLA's two kernels,
-#                  gpt2 and llama-3.2-1b at batch 1, 8, 32, one GPU each
+#                  (graphs_bench --decode-splits fixed,length: Engine(decode_attention=
+#                  DecodeAttentionConfig(length_splits=True))) for gpt2 and llama-3.2-1b, one GPU
+#                  each
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
@@ -129,14 +126,10 @@ if has attention-step; then
   run attention-step 300 python3 benchmarks/attention_bench.py --parts decode-step --batches 8,32 \
     --cache-lens 1024
 fi
-if has linear; then run linear 200 python3 benchmarks/linear_bench.py --batches 1,8; fi
-if has matmul-rows; then  # the step with XLA products on 1/8/16 rows, and fused Pallas ones
+if has matmul-rows; then  # the step with its products on 1/8/16 rows
   run matmul-rows 200 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1 --traces gpt2 \
-    --loop-batches none --matmul-rows 1,8,16 --linears xla --ttft-len 0
-  run fused-linear 160 python3 benchmarks/graphs_bench.py --attention pallas \
-    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8 --traces gpt2 \
-    --loop-batches none --linears pallas --ttft-len 0
+    --loop-batches none --matmul-rows 1,8,16 --ttft-len 0
 fi
 if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host while GPUs wait
   echo "=== graphs-gemm ($(date +%T)) ==="
@@ -178,17 +171,6 @@ if has splits; then  # on nvidia-h200-x2
   done
   wait
   grep -h -E "decode step [a-z]| step " "$out"/splits-gpu*.log | cut -c1-170
-fi
-if has qkv; then  # on nvidia-h200-x2
-  for g in 0 1; do
-    m=$([ $g = 0 ] && echo gpt2 || echo llama-3.2-1b)
-    CUDA_VISIBLE_DEVICES=$g run qkv-$m 330 python3 benchmarks/graphs_bench.py --attention pallas \
-      --models $m --modes full --layer-loops unroll --batches 1,8,32 --traces $m \
-      --loop-batches none --decode-qkv xla,kernel --decode-combines xla,pallas --ttft-len 0 \
-      > "$out/qkv-gpu$g.log" 2>&1 &
-  done
-  wait
-  grep -h " step " "$out"/qkv-gpu*.log | cut -c1-170
 fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py

@@ -96,12 +96,13 @@ def swap_rows(model: str, batch: int, max_seq_len: int) -> list[dict]:
                                   prompt_buckets=(16,), max_seq_len=max_seq_len,
                                   compilation_cache=False)
   engine.warmup(phases=(), progress=False)  # allocates the KV cache only
-  size = sum(x.nbytes for x in jax.tree.leaves(engine._cache))
-  out_s = _median_s(lambda: (engine.swap_out(), engine.swap_in(), jax.block_until_ready(engine._cache)))
+  size = sum(x.nbytes for x in jax.tree.leaves(engine.kv_cache.get()))
+  out_s = _median_s(lambda: (engine.swap_out(), engine.swap_in(),
+                             jax.block_until_ready(engine.kv_cache.get())))
   engine.swap_out()
   start = time.perf_counter()
   engine.swap_in()
-  jax.block_until_ready(engine._cache)
+  jax.block_until_ready(engine.kv_cache.get())
   in_s = time.perf_counter() - start
   start = time.perf_counter()
   engine.swap_out()
@@ -136,7 +137,7 @@ def swap_overlap_rows(model: str, swap_model: str, swap_batch: int, swap_max_seq
       during = profile.time_decode(runner, 1, position=max_seq_len // 2, steps=32, repeats=3)
       swapper.join()
     other.swap_in()
-    jax.block_until_ready(other._cache)
+    jax.block_until_ready(other.kv_cache.get())
     overlap = profile.copy_overlap(profile.find_trace(logdir))
     rows.append(dict(kind="swap_overlap", pinned_pool=pool, model=model, swap_model=swap_model,
                      batch=1, step_us=alone["step_us"], step_during_swap_us=during["step_us"],
@@ -157,32 +158,34 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
                                   max_seq_len=max_seq_len, graphs="full", layer_loop="unroll",
                                   compilation_cache=False)
   decode, state = profile._prepare(runner, 1, max_seq_len // 2)
+  steps_fn, holder = runner.executables.steps, runner.kv_cache
+  weights = steps_fn.split.weights
   device = jax.devices()[0]
   # [steps, elements]: distinct device buffers, one per step
   chunks = [jnp.full((total_bytes // steps // 2,), i, jnp.bfloat16) for i in range(steps)]
 
   def step_and_offload(weights, cache, tokens, positions, chunk):
-    return runner._steps.decode(weights, cache, tokens, positions, None), chunk
+    return steps_fn.decode(weights, cache, tokens, positions, None), chunk
 
   with_chunk = jax.jit(step_and_offload, donate_argnums=(1, 2, 3),
                        out_shardings=(host_io.on_device(device), host_io.pinned_host(device)))
-  with_chunk = with_chunk.lower(runner._split.weights, runner._cache, state.tokens,
-                                state.positions, chunks[0]).compile(
-      compiler_options=dict(runner.config.compiler_options))
+  with_chunk = with_chunk.lower(weights, holder.get(), state.tokens, state.positions,
+                                chunks[0]).compile(compiler_options=runner.config.xla_options)
 
   def run(offload: bool) -> tuple[float, list]:
     tokens, positions = jnp.array(state.tokens), jnp.array(state.positions)
     copies = []
-    jax.block_until_ready(runner._cache)
+    cache = holder.get()
+    jax.block_until_ready(cache)
     start = time.perf_counter()
     for i in range(steps):
       if offload:
-        (_, tokens, positions, runner._cache), copy = with_chunk(
-            runner._split.weights, runner._cache, tokens, positions, chunks[i])
+        (_, tokens, positions, cache), copy = with_chunk(weights, cache, tokens, positions,
+                                                         chunks[i])
         copies.append(copy)
       else:
-        _, tokens, positions, runner._cache = decode(runner._split.weights, runner._cache,
-                                                     tokens, positions, None)
+        _, tokens, positions, cache = decode(weights, cache, tokens, positions, None)
+    holder.set(cache)
     jax.block_until_ready((tokens, copies))
     return (time.perf_counter() - start) / steps, copies
 

@@ -2,12 +2,18 @@
 
 Public entry points:
   Engine.from_pretrained(path_or_preset, dtype=...), engine.warmup(), engine.generate(...),
-  engine.stream(...), engine.logits(...), engine.stats().
+  engine.stream(...), engine.logits(...), engine.stats(); the configuration tree EngineConfig,
+  ForwardConfig and the kernels' DecodeAttentionConfig and FlashAttentionConfig.
 """
 
 from cg_jax.buckets import Buckets
-from cg_jax.engine import Engine, EngineConfig, GenerationResult, StreamChunk
+from cg_jax.config import EngineConfig, ForwardConfig
+from cg_jax.engine import Engine
+from cg_jax.generation import GenerationResult, StreamChunk
+from cg_jax.kernels.decode_attention import DecodeAttentionConfig
+from cg_jax.kernels.flash_attention import FlashAttentionConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["Buckets", "Engine", "EngineConfig", "GenerationResult", "StreamChunk", "__version__"]
+__all__ = ["Buckets", "DecodeAttentionConfig", "Engine", "EngineConfig", "FlashAttentionConfig",
+           "ForwardConfig", "GenerationResult", "StreamChunk", "__version__"]

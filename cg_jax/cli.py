@@ -4,10 +4,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import time
 
+from cg_jax import profile
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS
-from cg_jax.hub import DEFAULT_MODEL
+from cg_jax.engine import Engine
+from cg_jax.graphs import GRAPH_MODES
+from cg_jax.hub import DEFAULT_MODEL, resolve_model
+from models import hf
+from models.config import PRESETS
+
+_HELP = argparse.ArgumentDefaultsHelpFormatter
+_DTYPES = ("float32", "bfloat16", "float16")
+_MODEL_HELP = ("checkpoint directory, bundled model (kjv-llama-6m is trained on the King James "
+               "Bible), preset name (random weights, no tokenizer) or HF model name in the local "
+               "Hugging Face cache")
+
+# Engine parameter names -> the flags that set them, for error messages.
+GENERATE_FLAGS = {
+    "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+    "top_p": "--top-p", "seed": "--seed", "max_seq_len": "--max-seq-len",
+    "tensor_parallel": "--tensor-parallel", "batch_buckets": "--batch-buckets",
+    "batch_sizes": "--batch-buckets", "stop": "--stop"}
+PROFILE_FLAGS = {
+    "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
+    "position": "--position", "batch_buckets": "--batch", "batch_sizes": "--batch"}
 
 
 def _int_list(text: str) -> list[int]:
@@ -18,58 +42,98 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m cg_jax", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m cg_jax", description=__doc__,
+                                   formatter_class=_HELP)
   sub = parser.add_subparsers(dest="command", required=True)
-  gen = sub.add_parser("generate", help="generate a continuation and print it with stats")
-  gen.add_argument("--model", default=DEFAULT_MODEL,
-                   help="checkpoint directory, bundled model (default: %(default)s, trained on "
-                        "the King James Bible), preset name (random weights) or HF model name "
-                        "in the local Hugging Face cache")
+  gen = sub.add_parser("generate", help="generate a continuation and print it with stats",
+                       formatter_class=_HELP)
+  gen.add_argument("--model", default=DEFAULT_MODEL, help=_MODEL_HELP)
   prompt = gen.add_mutually_exclusive_group(required=True)
-  prompt.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+  prompt.add_argument("--prompt", action="append",
+                      help="prompt text (repeat for a batch); needs a tokenizer.json")
   prompt.add_argument("--prompt-ids", action="append", type=_int_list,
                       help="prompt token ids, comma separated (repeat for a batch)")
-  gen.add_argument("--max-new-tokens", type=int, default=32)
-  gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  gen.add_argument("--top-k", type=int, default=0)
-  gen.add_argument("--top-p", type=float, default=1.0)
-  gen.add_argument("--seed", type=int, default=None)
-  gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-  gen.add_argument("--batch-buckets", type=_int_list, default=list(DEFAULT_BATCH_BUCKETS))
-  gen.add_argument("--max-seq-len", type=int, default=None)
+  gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
+  gen.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (then --top-k and --top-p do nothing)")
+  gen.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k most likely tokens; 0 = off")
+  gen.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens of this total probability; 1 = off")
+  gen.add_argument("--seed", type=int, default=None, help="sampling seed; None = random")
+  gen.add_argument("--stop", action="append", metavar="TEXT",
+                   help="finish a row when its text contains TEXT, cut before it (repeatable); "
+                        "needs a tokenizer")
+  gen.add_argument("--dtype", default=None, choices=_DTYPES,
+                   help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
+                        "elsewhere)")
+  gen.add_argument("--batch-buckets", type=_int_list, default=list(DEFAULT_BATCH_BUCKETS),
+                   help="batch sizes to compile, comma separated; a larger batch runs in parts")
+  gen.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV cache length (prompt + new tokens); None = min(model context, 2048)")
   gen.add_argument("--tensor-parallel", type=int, default=1,
                    help="split the model over this many devices (cg_jax.sharding)")
   gen.add_argument("--device-loop", action="store_true",
                    help="generate several tokens per host call inside one executable")
-  gen.add_argument("--json", action="store_true", help="print one JSON object")
+  output = gen.add_mutually_exclusive_group()
+  output.add_argument("--stream", action="store_true",
+                      help="print the text (or token ids) as it is produced; one prompt only")
+  output.add_argument("--json", action="store_true", help="print one JSON object")
 
-  prof = sub.add_parser("profile", help="launch accounting of decode steps from a real profile")
-  prof.add_argument("--model", required=True, help="checkpoint directory or preset name")
-  prof.add_argument("--batch", type=int, default=1)
-  prof.add_argument("--graphs", default="xla-default", help="off, xla-default or full")
-  prof.add_argument("--layer-loop", default="unroll", choices=("scan", "unroll"))
-  prof.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-  prof.add_argument("--max-seq-len", type=int, default=1024)
-  prof.add_argument("--position", type=int, default=512)
-  prof.add_argument("--steps", type=int, default=10)
-  prof.add_argument("--tensor-parallel", type=int, default=1)
+  prof = sub.add_parser("profile", help="launch accounting of decode steps from a real profile",
+                        formatter_class=_HELP)
+  prof.add_argument("--model", required=True, help=_MODEL_HELP)
+  prof.add_argument("--batch", type=int, default=1, help="batch size of the decode step")
+  prof.add_argument("--graphs", default="xla-default", choices=tuple(GRAPH_MODES),
+                    help="CUDA graph mode (cg_jax.graphs)")
+  prof.add_argument("--layer-loop", default="unroll", choices=("scan", "unroll"),
+                    help="run the layers as a lax.scan or unrolled")
+  prof.add_argument("--dtype", default="bfloat16", choices=_DTYPES,
+                    help="weight and compute dtype")
+  prof.add_argument("--max-seq-len", type=int, default=None,
+                    help="KV cache length; None = min(model context, 1024)")
+  prof.add_argument("--position", type=int, default=None,
+                    help="cache position of the timed steps; None = min(512, max seq len // 2)")
+  prof.add_argument("--steps", type=int, default=10, help="decode steps to profile")
+  prof.add_argument("--tensor-parallel", type=int, default=1,
+                    help="split the model over this many devices (cg_jax.sharding)")
   prof.add_argument("--json", action="store_true", help="print one JSON object")
   return parser
 
 
-def run_profile(args) -> int:
-  from cg_jax import profile
-  from cg_jax.engine import Engine
+def _is_preset(model: str) -> bool:
+  return model in PRESETS and not os.path.isdir(model)
 
+
+def model_context(model: str) -> int:
+  """The context length (max_position_embeddings) of a preset or checkpoint, read from its
+  config without loading weights."""
+  if _is_preset(model):
+    return PRESETS[model].max_position_embeddings
+  return hf.config_from_hf(hf.read_config(resolve_model(model))).max_position_embeddings
+
+
+def profile_lengths(model: str, max_seq_len: int | None, position: int | None) -> tuple[int, int]:
+  """`profile`'s (max_seq_len, position): None means min(model context, 1024) and half the
+  cache, at most 512."""
+  if max_seq_len is None:
+    max_seq_len = min(model_context(model), 1024)
+  if position is None:
+    position = min(512, max_seq_len // 2)
+  return max_seq_len, position
+
+
+def run_profile(args) -> int:
+  max_seq_len, position = profile_lengths(args.model, args.max_seq_len, args.position)
   engine = Engine.from_pretrained(args.model, dtype=args.dtype, batch_buckets=[args.batch],
-                                  prompt_buckets=[16], max_seq_len=args.max_seq_len,
+                                  prompt_buckets=[16], max_seq_len=max_seq_len,
                                   graphs=args.graphs, layer_loop=args.layer_loop,
                                   tensor_parallel=args.tensor_parallel)
-  timing = profile.time_decode(engine, args.batch, position=args.position)
-  report, trace = profile.profile_decode(engine, args.batch, position=args.position,
-                                         steps=args.steps)
+  timing = profile.time_decode(engine, args.batch, position=position)
+  report, trace = profile.profile_decode(engine, args.batch, position=position, steps=args.steps)
   result = dict(report.as_dict(), **timing, trace=trace, graphs=args.graphs,
-                layer_loop=args.layer_loop, device=str(engine.weights()["embed"].devices()))
+                layer_loop=args.layer_loop, max_seq_len=max_seq_len, position=position,
+                device=str(engine.weights()["embed"].devices()))
   if args.json:
     print(json.dumps(result))
     return 0
@@ -82,35 +146,108 @@ def run_profile(args) -> int:
   return 0
 
 
-def generate(args) -> int:
-  from cg_jax.engine import Engine
+def _check_tokenizer(args) -> None:
+  """Text prompts and --stop need a tokenizer: say so before building anything."""
+  if args.prompt is None and not args.stop:
+    return
+  if _is_preset(args.model):
+    why = "presets have random weights and none"
+  else:
+    directory = resolve_model(args.model)
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+      return
+    why = f"no tokenizer.json in {directory}"
+  if args.prompt is not None:
+    raise ValueError(f"the model {args.model!r} has no tokenizer ({why}): use --prompt-ids or a "
+                     "checkpoint directory with tokenizer.json")
+  raise ValueError(f"--stop needs a tokenizer and the model {args.model!r} has none ({why}): "
+                   "drop --stop or use a checkpoint directory with tokenizer.json")
 
-  engine = Engine.from_pretrained(args.model, dtype=args.dtype, batch_buckets=args.batch_buckets,
-                                  max_seq_len=args.max_seq_len,
-                                  tensor_parallel=args.tensor_parallel)
+
+def _warn_greedy(args) -> None:
+  """--top-k / --top-p only shape sampling; at temperature 0 the decode is greedy."""
+  if args.temperature != 0:
+    return
+  ignored = [flag for flag, off in (("--top-k", args.top_k == 0), ("--top-p", args.top_p == 1.0))
+             if not off]
+  if ignored:
+    verb = "has" if len(ignored) == 1 else "have"
+    print(f"warning: {' and '.join(ignored)} {verb} no effect without --temperature > 0 "
+          "(decoding greedily)", file=sys.stderr)
+
+
+def _stream(engine, inputs, prefix: str, max_new_tokens: int, options: dict) -> dict[str, float]:
+  """Print one prompt's continuation as it is produced; returns the stats timed here."""
+  print(f"[0] {prefix}", end="", flush=True)
+  start = time.perf_counter()
+  first = None
+  count = 0
+  for chunk in engine.stream(inputs, max_new_tokens, **options):
+    if first is None:
+      first = time.perf_counter()
+    if chunk.texts is not None:  # the last chunk may carry held-back text and no token
+      print(chunk.texts.get(0, ""), end="", flush=True)
+    for token in chunk.tokens.values():
+      if chunk.texts is None:
+        print(f"{' ' if count else ''}{token}", end="", flush=True)
+      count += 1
+  end = time.perf_counter()
+  print()
+  return {"ttft_s": first - start, "per_token_s": (end - first) / max(count - 1, 1),
+          "tokens_per_s": count / (end - start)}
+
+
+def generate(args) -> int:
   inputs = args.prompt if args.prompt is not None else args.prompt_ids
+  if args.stream and len(inputs) > 1:
+    raise ValueError(f"--stream takes one prompt, got {len(inputs)}; drop --stream to generate "
+                     "a batch")
+  _check_tokenizer(args)
+  _warn_greedy(args)
+  dtype = {} if args.dtype is None else {"dtype": args.dtype}  # None: the engine's default
+  engine = Engine.from_pretrained(args.model, batch_buckets=args.batch_buckets,
+                                  max_seq_len=args.max_seq_len,
+                                  tensor_parallel=args.tensor_parallel, **dtype)
+  options = dict(do_sample=args.temperature > 0, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, seed=args.seed, device_loop=args.device_loop)
+  if args.stop:
+    options["stop"] = args.stop
   # Validate before compiling anything, then compile only the buckets this request needs.
-  engine.validate(inputs, args.max_new_tokens, do_sample=args.temperature > 0,
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  seed=args.seed, device_loop=args.device_loop)
+  engine.validate(inputs, args.max_new_tokens, **options)
   batch = engine.config.buckets.batch_bucket(min(len(inputs), engine.config.buckets.max_batch))
   compile_times = engine.warmup(batch_sizes=[batch], progress=not args.json)
-  result = engine.generate(inputs, args.max_new_tokens, do_sample=args.temperature > 0,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           seed=args.seed, device_loop=args.device_loop)
-  stats = dict(result.stats, warmup_s=sum(compile_times.values()),
-               executables=len(compile_times))
-  if args.json:
-    print(json.dumps({"tokens": list(result), "texts": result.texts, "stats": stats}))
-    return 0
-  for i, tokens in enumerate(result):
-    shown = result.texts[i] if result.texts is not None else " ".join(map(str, tokens))
-    prefix = inputs[i] if args.prompt is not None else ""
-    print(f"[{i}] {prefix}{shown}")
+  warmup = dict(warmup_s=sum(compile_times.values()), executables=len(compile_times))
+  prefixes = args.prompt if args.prompt is not None else [""] * len(inputs)
+  if args.stream:
+    stats = _stream(engine, inputs, prefixes[0], args.max_new_tokens, options)
+  else:
+    result = engine.generate(inputs, args.max_new_tokens, **options)
+    stats = result.stats
+    if args.json:
+      print(json.dumps({"tokens": list(result), "texts": result.texts,
+                        "stats": dict(stats, **warmup)}))
+      return 0
+    for i, tokens in enumerate(result):
+      shown = result.texts[i] if result.texts is not None else " ".join(map(str, tokens))
+      print(f"[{i}] {prefixes[i]}{shown}")
   print(f"time to first token {stats['ttft_s'] * 1e3:.1f} ms | per token "
         f"{stats['per_token_s'] * 1e3:.2f} ms | {stats['tokens_per_s']:.1f} tokens/s | "
-        f"warmup {stats['warmup_s']:.1f} s ({stats['executables']} executables)")
+        f"warmup {warmup['warmup_s']:.1f} s ({warmup['executables']} executables)")
   return 0
+
+
+def flag_names(message: str, flags: dict[str, str], prompt_flag: str = "--prompt-ids") -> str:
+  """An engine error message with its parameter names replaced by the CLI flags that set them:
+  `input_ids[0][1]` -> `--prompt-ids #1, token 2`, `prompt 0` -> `--prompt-ids #1`,
+  `stop[0]` -> `--stop #1`, `top_k` -> `--top-k`, ..."""
+  message = re.sub(r"\binput_ids\[(\d+)\]\[(\d+)\]",
+                   lambda m: f"{prompt_flag} #{int(m[1]) + 1}, token {int(m[2]) + 1}", message)
+  message = re.sub(r"\binput_ids\[(\d+)\]|\bprompt (\d+)\b",
+                   lambda m: f"{prompt_flag} #{int(m[1] or m[2]) + 1}", message)
+  message = re.sub(r"\bstop\[(\d+)\]", lambda m: f"--stop #{int(m[1]) + 1}", message)
+  names = dict(flags, input_ids=prompt_flag)
+  # Whole names only, and not ones already written as flags (`--stop`).
+  return re.sub(r"(?<![-\w])(" + "|".join(names) + r")\b", lambda m: names[m[1]], message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "profile":
       return run_profile(args)
   except (ValueError, TypeError) as err:
-    print(f"error: {err}", file=sys.stderr)
+    if args.command == "generate":
+      prompt_flag = "--prompt" if args.prompt is not None else "--prompt-ids"
+      message = flag_names(str(err), GENERATE_FLAGS, prompt_flag)
+    else:
+      message = flag_names(str(err), PROFILE_FLAGS)
+    print(f"error: {message}", file=sys.stderr)
     return 2
   return 1

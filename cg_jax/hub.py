@@ -21,18 +21,32 @@ def bundled_models() -> tuple[str, ...]:
                       if os.path.isfile(os.path.join(BUNDLED_DIR, n, "config.json"))))
 
 
+def looks_like_path(name: str) -> bool:
+  """Whether `name` is clearly a filesystem path rather than a Hub name (`gpt2`, `org/name`):
+  absolute, starting with `.` or `~`, with more than one `/`, or ending in `/`."""
+  return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+          or name.endswith("/"))
+
+
 def resolve_model(name: str | os.PathLike) -> str:
-  """A checkpoint directory, a bundled model's name, or a Hugging Face model name found in the
-  local HF cache.
+  """A checkpoint directory (`~` expanded), a bundled model's name, or a Hugging Face model name
+  found in the local HF cache.
 
   Raises:
     ValueError: neither a directory nor a cached model (no network access is attempted).
   """
   path = os.fspath(name)
-  if os.path.isdir(path):
-    return path
+  directory = os.path.expanduser(path)
+  if os.path.isdir(directory):
+    return directory
   if path in bundled_models():
     return os.path.join(BUNDLED_DIR, path)
+  if looks_like_path(path):
+    absolute = os.path.abspath(directory)
+    if os.path.exists(absolute):
+      raise ValueError(f"model {path!r}: {absolute} is a file, not a checkpoint directory; pass "
+                       "the directory that holds config.json and model.safetensors")
+    raise ValueError(f"model {path!r}: there is no checkpoint directory at {absolute}")
   hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
       os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
       "hub")

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cg_jax.steps import LoopState
 from models.decoder import KVCache
 
 _MEMCPY = re.compile(r"memcpy|MemcpyHtoD|MemcpyDtoH|MemcpyDtoD|MemcpyH2D|MemcpyD2H|MemcpyD2D",
@@ -183,7 +184,7 @@ class DecodeState:
 def _inputs(engine, tree):
   """Request arrays placed where the engine's executables take them (one device, or replicated
   over a tensor-parallel mesh)."""
-  return jax.device_put(tree, engine._inputs_at)
+  return jax.device_put(tree, engine.input_placement)
 
 
 def _prepare(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, DecodeState]:
@@ -193,12 +194,12 @@ def _prepare(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, Dec
   if position + 1 >= engine.config.max_seq_len:
     raise ValueError(f"position must be < max_seq_len - 1 ({engine.config.max_seq_len - 1}), "
                      f"got {position}")
-  decode = engine._executable(("decode", engine.config.buckets.batch_bucket(batch), True))
-  cache = engine._ensure_cache()
+  decode = engine.executables.get(("decode", engine.config.buckets.batch_bucket(batch), True))
+  cache = engine.kv_cache.get()
   key_k, key_v = jax.random.split(jax.random.key(seed))
-  engine._cache = jax.device_put(
+  engine.kv_cache.set(jax.device_put(
       KVCache(k=jax.random.normal(key_k, cache.k.shape, cache.k.dtype),
-              v=jax.random.normal(key_v, cache.v.shape, cache.v.dtype)), engine._cache_at)
+              v=jax.random.normal(key_v, cache.v.shape, cache.v.dtype)), cache.k.sharding))
   bucket = engine.config.buckets.batch_bucket(batch)
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, engine.model_config.vocab_size, (bucket,)).astype(np.int32)
@@ -208,18 +209,21 @@ def _prepare(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, Dec
 def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
   """Run `steps` decode steps; returns (wall seconds, per-call host dispatch seconds)."""
   tokens, positions = _inputs(engine, (jnp.array(state.tokens), jnp.array(state.positions)))
-  weights = engine._split.weights
+  weights, holder = engine.executables.steps.split.weights, engine.kv_cache
+  cache = holder.get()
   dispatch = []
-  jax.block_until_ready(engine._cache)
+  jax.block_until_ready(cache)
   start = time.perf_counter()
   for _ in range(steps):
     call = time.perf_counter()
-    _, tokens, positions, engine._cache = decode(weights, engine._cache, tokens, positions, None)
+    _, tokens, positions, cache = decode(weights, cache, tokens, positions, None)
     dispatch.append(time.perf_counter() - call)
     if read_back:
       np.asarray(tokens)
   jax.block_until_ready(tokens)
-  return time.perf_counter() - start, dispatch
+  elapsed = time.perf_counter() - start
+  holder.set(cache)
+  return elapsed, dispatch
 
 
 def time_decode(engine, batch: int, *, position: int = 512, steps: int = 64, repeats: int = 7,
@@ -255,32 +259,31 @@ def time_prefill(engine, batch: int, prompt_len: int, *, repeats: int = 10,
   baselines measure it."""
   bucket = engine.config.buckets.batch_bucket(batch)
   length = engine.config.buckets.length_bucket(prompt_len)
-  prefill = engine._executable(("prefill", bucket, length))
-  first = engine._executable(("first", bucket, True))
+  prefill = engine.executables.get(("prefill", bucket, length))
+  first = engine.executables.get(("first", bucket, True))
   rng = np.random.default_rng(seed)
   tokens, lengths = _inputs(engine, (
       rng.integers(0, engine.model_config.vocab_size, (bucket, length)).astype(np.int32),
       np.full((bucket,), prompt_len, np.int32)))
-  weights = engine._split.weights
+  weights, holder = engine.executables.steps.split.weights, engine.kv_cache
 
   def once():
-    jax.block_until_ready(engine._cache)
+    cache = jax.block_until_ready(holder.get())
     start = time.perf_counter()
-    logits, engine._cache = prefill(weights, engine._cache, tokens, lengths)
+    logits, cache = prefill(weights, cache, tokens, lengths)
     jax.block_until_ready(first(logits, lengths, None))
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    holder.set(cache)
+    return elapsed
 
-  engine._ensure_cache()
   once()
   return statistics.median(once() for _ in range(repeats)) * 1e3
 
 
 def _device_loop_runner(engine, batch: int, position: int):
   """A function running one greedy device-loop call of K tokens (cache pre-filled at random)."""
-  from cg_jax.steps import LoopState
-
   bucket = engine.config.buckets.batch_bucket(batch)
-  loop = engine._executable(("loop", bucket, True))
+  loop = engine.executables.get(("loop", bucket, True))
   _, state = _prepare(engine, batch, position)
   k = engine.config.decode_loop_steps
   eos = np.full((8,), -1, np.int32)
@@ -290,10 +293,12 @@ def _device_loop_runner(engine, batch: int, position: int):
     loop_state = _inputs(engine, LoopState(
         tokens=jnp.array(state.tokens), positions=jnp.array(state.positions),
         done=np.zeros((bucket,), bool), budget=np.full((bucket,), k, np.int32)))
-    jax.block_until_ready((engine._cache, loop_state))
+    cache = engine.kv_cache.get()
+    jax.block_until_ready((cache, loop_state))
     start = time.perf_counter()
-    _, out, engine._cache = loop(engine._split.weights, engine._cache, loop_state, eos, None)
+    _, out, cache = loop(engine.executables.steps.split.weights, cache, loop_state, eos, None)
     returned = time.perf_counter() - start
+    engine.kv_cache.set(cache)
     np.asarray(out)
     return returned, time.perf_counter() - start
 

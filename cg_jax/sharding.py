@@ -41,14 +41,11 @@ _WEIGHT_SPECS = {
 }
 # [L, B, T, K, H]: split by KV head.
 CACHE_SPEC = P(None, None, None, AXIS, None)
-# Pallas attention inside `shard_map`: decode q [B, Hq, D], prefill q / k / v [B, S, H, D].
-DECODE_QUERY_SPEC = P(None, AXIS, None)
-HEADS_SPEC = P(None, None, AXIS, None)
 
 
-def check_tensor_parallel(config: DecoderConfig, tensor_parallel, linear: str = "xla") -> None:
+def check_tensor_parallel(config: DecoderConfig, tensor_parallel) -> None:
   """ValueError unless `tensor_parallel` is an int in [1, device count] that divides the heads,
-  the KV heads and the MLP width (and, above 1, the projections are XLA's)."""
+  the KV heads and the MLP width."""
   devices = len(jax.devices())
   if (not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool)
       or not 1 <= tensor_parallel <= devices):
@@ -59,9 +56,6 @@ def check_tensor_parallel(config: DecoderConfig, tensor_parallel, linear: str = 
   odd = {name: size for name, size in sizes.items() if size % tensor_parallel}
   if odd:
     raise ValueError(f"tensor_parallel={tensor_parallel} must divide {odd}")
-  if tensor_parallel > 1 and linear != "xla":
-    raise ValueError(f"tensor_parallel > 1 needs linear='xla' (the fused Pallas projections are "
-                     f"single-device), got linear={linear!r}")
 
 
 def _column_parts(config: DecoderConfig, name: str) -> list[int] | None:

@@ -1,8 +1,5 @@
-"""The hot path: pure functions over a flat list of weight arrays and a donated KV cache.
-
-The NNX model is split once (`nnx.split`, then `SplitModel.from_state`); each step re-hydrates it with `nnx.merge` inside the
-trace, so a call passes ~15-20 weight arrays and costs no Python graph traversal. `StepFunctions`
-holds the functions that are compiled ahead of time per bucket:
+"""The hot path: pure functions over a flat list of weight arrays and a donated KV cache, compiled
+ahead of time per bucket (`cg_jax.executables`):
 
   prefill(weights, cache, tokens[B,S], lengths[B])                 -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
@@ -10,7 +7,8 @@ holds the functions that are compiled ahead of time per bucket:
                                               -> (emitted[B], tokens[B], positions[B], cache)
   decode_loop(weights, cache, LoopState, eos[E], sampling)          -> (LoopState, out[B,K], cache)
 
-`sampling` is a `SamplingArrays` or None (the greedy-only executable).
+`sampling` is a `SamplingArrays` or None (the greedy-only executable). Shape letters: the README's
+table (K in `out[B,K]`: tokens per device-loop call).
 """
 
 from __future__ import annotations
@@ -20,28 +18,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from cg_jax.attention import RealRows
+from cg_jax.config import ForwardConfig
 from cg_jax.sampling import SamplingArrays, select_tokens
-from models.decoder import Decoder, KVCache
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitModel:
-  """A model split once for the hot path: static structure plus a flat list of weight arrays."""
-
-  graphdef: Any
-  treedef: Any
-  weights: list[jax.Array]
-
-  @classmethod
-  def from_state(cls, graphdef, state) -> "SplitModel":
-    """Flatten a split decoder's state into the weight list a step takes (done once, at load)."""
-    weights, treedef = jax.tree.flatten(state)
-    return cls(graphdef, treedef, weights)
-
-  def merge(self, weights) -> Decoder:
-    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, weights))
+from cg_jax.weights import SplitModel
+from models.decoder import KVCache
 
 
 @jax.tree_util.register_dataclass
@@ -67,55 +49,48 @@ class LoopState:
 
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
-  """The step functions of one split model (see module docstring).
+  """The step functions of one split model (see the module docstring).
 
   Args:
     split: the split model; its graphdef/treedef are baked into the traces.
-    attention: attention backend name passed to the model.
-    layer_loop: "scan" or "unroll" for the per-token steps (see `models.decoder`); prefill runs
-      once per request and always scans (small program, fast compile).
-    loop_steps: K, tokens generated per device-loop call.
-    min_matmul_rows: decode steps run the layers' products on at least this many rows.
-    linear: decode steps' projections, "xla" or "pallas" (fused kernels).
-    mesh: the tensor-parallel mesh (`cg_jax.sharding`), or None on one device.
-    cache_write: decode steps' cache write, "fused" into the Pallas attention or "scatter".
-    decode_splits: the fused decode kernel's split of each row's keys, "fixed" or "length".
-    decode_combine: what merges its split-K partials, "xla" or "pallas".
-    decode_qkv: who slices the fused QKV output and applies RoPE in decode steps, "xla" or
-      "kernel" (the fused decode attention kernel).
+    forward: how the forward paths run.
+    attention: the attention implementation handed to the model (`cg_jax.attention`).
+    loop_steps: tokens generated per device-loop call.
+    shards: the weights' column groups (the tensor-parallel size).
   """
 
   split: SplitModel
-  attention: str
-  layer_loop: str
+  forward: ForwardConfig
+  attention: Any
   loop_steps: int
-  min_matmul_rows: int = 8
-  linear: str = "xla"
-  mesh: Any = None
-  cache_write: str = "fused"
-  decode_splits: str = "fixed"
-  decode_combine: str = "xla"
-  decode_qkv: str = "xla"
-
-  @property
-  def _model_options(self):
-    return {"attention": self.attention, "layer_loop": self.layer_loop,
-            "min_matmul_rows": self.min_matmul_rows, "linear": self.linear, "mesh": self.mesh,
-            "cache_write": self.cache_write, "decode_splits": self.decode_splits,
-            "decode_combine": self.decode_combine, "decode_qkv": self.decode_qkv}
+  shards: int = 1
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)
     return model.prefill(tokens, lengths, cache, attention=self.attention, layer_loop="scan",
-                         mesh=self.mesh)
+                         shards=self.shards)
 
   @staticmethod
   def first_token(logits, positions, sampling: SamplingArrays | None):
     return select_tokens(logits, positions, sampling)
 
+  def _logits(self, model, tokens, positions, cache: KVCache):
+    """One decode step's logits [B, V]. With fewer than `min_matmul_rows` rows, the layers run
+    on the rows padded to that many (token 0 at position 0): the padding rows never reach the
+    cache or the attention (`RealRows`), and the real rows do not depend on them."""
+    batch = tokens.shape[0]
+    padded = max(batch, self.forward.min_matmul_rows)
+    attention = self.attention
+    if padded > batch:
+      # [B] -> [P]
+      tokens, positions = (jnp.pad(x, (0, padded - batch)) for x in (tokens, positions))
+      attention = RealRows(attention, batch)
+    hidden, cache = model.decode_hidden(tokens, positions, cache, attention=attention,
+                                        layer_loop=self.forward.layer_loop, shards=self.shards)
+    return model.unembed(hidden[:batch]), cache
+
   def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
-    model = self.split.merge(weights)
-    logits, cache = model.decode(tokens, positions, cache, **self._model_options)
+    logits, cache = self._logits(self.split.merge(weights), tokens, positions, cache)
     next_positions = positions + 1
     next_tokens = select_tokens(logits, next_positions, sampling)
     # `emitted` is a copy for the host to read back asynchronously: `next_tokens` is donated
@@ -139,8 +114,7 @@ class StepFunctions:
 
     def body(carry):
       step, state, out, cache = carry
-      logits, cache = model.decode(state.tokens, state.positions, cache,
-                                   **self._model_options)
+      logits, cache = self._logits(model, state.tokens, state.positions, cache)
       positions = jnp.where(state.done, state.positions, state.positions + 1)
       tokens = select_tokens(logits, positions, sampling)
       tokens = jnp.where(state.done, state.tokens, tokens)

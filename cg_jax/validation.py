@@ -9,10 +9,48 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 MAX_EOS_IDS = 8
+MAX_STOP_STRINGS = 8
+
+# Names users bring from Hugging Face transformers (or the OpenAI API), and what to use instead.
+FOREIGN_NAMES = {
+    "max_length": "max_new_tokens (tokens to generate per prompt, the prompt not counted)",
+    "max_tokens": "max_new_tokens",
+    "min_new_tokens": "eos_token_id=[] (generation then runs for max_new_tokens)",
+    "min_length": "eos_token_id=[] (generation then runs for max_new_tokens)",
+    "stop_strings": "stop",
+    "stop_sequences": "stop",
+    "num_beams": "nothing: beam search is not supported (greedy or sampling only)",
+    "num_return_sequences": "a list repeating the prompt, with do_sample=True and a seed",
+    "repetition_penalty": "nothing: repetition penalties are not supported",
+    "pad_token_id": "nothing: prompts of any lengths are padded internally",
+    "attention_mask": "nothing: pass the prompts as ragged token-id lists",
+    "input_ids": "inputs (the first argument)",
+    "prompt": "inputs (the first argument)",
+    "generation_config": "the sampling keywords (do_sample, temperature, top_k, top_p, seed)",
+    "use_cache": "nothing: the KV cache is always used",
+    "torch_dtype": "dtype",
+    "device_map": "tensor_parallel (devices to split the model over)",
+    "max_batch_size": "batch_buckets",
+    "max_model_len": "max_seq_len",
+}
+
+
+def reject_unknown(where: str, unknown: Mapping[str, Any]) -> None:
+  """TypeError naming each unexpected keyword of `where`, with what to use instead."""
+  if not unknown:
+    return
+  parts = []
+  for name in sorted(unknown):
+    hint = FOREIGN_NAMES.get(name)
+    parts.append(f"{name!r}" + (f" (use {hint})" if hint else ""))
+  raise TypeError(f"{where} got unexpected keyword argument(s): {', '.join(parts)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,5 +171,39 @@ def sampling(*, do_sample, temperature, top_k, top_p, seed, eos_token_id, defaul
   if len(eos) > MAX_EOS_IDS:
     raise ValueError(f"eos_token_id has {len(eos)} ids; at most {MAX_EOS_IDS} are supported")
   greedy = (not do_sample) or temperature == 0
+  if greedy and (top_k != 0 or top_p != 1.0):
+    warnings.warn(f"top_k={top_k} / top_p={top_p} have no effect with greedy decoding "
+                  f"(do_sample={do_sample}, temperature={temperature}): pass do_sample=True and "
+                  f"temperature > 0 to sample", UserWarning, stacklevel=4)
   return SamplingSettings(greedy=greedy, temperature=float(temperature), top_k=int(top_k),
                           top_p=float(top_p), seed=int(seed), eos_ids=eos)
+
+
+def stop_strings(stop, has_tokenizer: bool) -> tuple[str, ...]:
+  """Validate `stop`: None, a string or a list of strings (at most MAX_STOP_STRINGS, none
+  empty), which need a tokenizer."""
+  if stop is None:
+    return ()
+  values = [stop] if isinstance(stop, str) else stop
+  if not isinstance(values, (list, tuple)) or not all(isinstance(s, str) for s in values):
+    raise TypeError(f"stop must be None, a string or a list of strings, got {stop!r}")
+  if any(not s for s in values):
+    raise ValueError(f"stop strings must be non-empty, got {list(values)!r}")
+  if len(values) > MAX_STOP_STRINGS:
+    raise ValueError(f"stop has {len(values)} strings; at most {MAX_STOP_STRINGS} are supported")
+  if values and not has_tokenizer:
+    raise TypeError("stop strings need a tokenizer (tokenizer.json in the checkpoint directory); "
+                    "use eos_token_id to stop on token ids")
+  return tuple(values)
+
+
+@dataclasses.dataclass
+class Request:
+  """A validated request: its prompts, budget, sampling settings and stop strings."""
+
+  rows: list[np.ndarray]
+  max_new_tokens: int
+  settings: SamplingSettings
+  device_loop: bool
+  stop: tuple[str, ...] = ()
+  stats: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -4,20 +4,20 @@ Every per-layer weight kind is one `nnx.Param` with a leading layer axis, so the
 about 15-20 arrays and the layer loop is a `lax.scan`. The KV cache is a separate pytree
 (`KVCache`) passed in and returned, never module state, so a jitted step can donate it.
 
-Three forward paths, all pure in (weights, cache, inputs):
+Forward paths, all pure in (weights, cache, inputs), each handed its attention implementation
+(`models.attention`; the runtime's kernels in `cg_jax.attention`):
   logits(tokens):                       full-sequence logits, no cache.
-  prefill(tokens, lengths, cache):      right-padded prompts; fills cache[:, :, :S]; returns the
+  prefill(tokens, lengths, cache):      right-padded prompts; fills cache[:, :B, :S]; returns the
                                         logits of each row's last real token.
-  decode(tokens, positions, cache):     one token per row, each at its own position.
+  decode(tokens, positions, cache):     one token per row, each at its own position
+                                        (`decode_hidden`, then `unembed`).
 
-Einsum letters: B batch, S sequence, D hidden, F mlp width, V vocab, L layers, T cache length,
-K kv heads, H head_dim.
+Shape letters: the README's table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import (Backend, decode_attention_and_write,
-                              decode_attention_and_write_qkv, interpret_pallas, prefill_attention)
+from models.attention import XlaAttention
 from models.config import DecoderConfig
 
 LAYER_WEIGHTS: tuple[str, ...] = (
@@ -131,7 +130,7 @@ def _norm(x, scale, bias, eps: float):
   return scale * normed.astype(x.dtype)
 
 
-def xla_projection(x, w, *, norm=None, norm_scale=None, norm_bias=None, eps=1e-5, bias=None,
+def projection(x, w, *, norm=None, norm_scale=None, norm_bias=None, eps=1e-5, bias=None,
                    activation=None, gated=False, residual=None, shards: int = 1):
   """residual + act(norm(x) @ w + bias) (act(gate) * up when gated), x [R, I], as XLA ops.
 
@@ -152,39 +151,7 @@ def xla_projection(x, w, *, norm=None, norm_scale=None, norm_bias=None, eps=1e-5
   return y if residual is None else residual + y
 
 
-def _fused_projection(x, w, shards: int = 1, **options):
-  """The same as one `cg_jax.kernels.fused_linear` kernel (interpreted off the GPU), on one
-  device's canonical column layout only (`shards` 1)."""
-  from cg_jax.kernels.fused_linear import fused_linear
-
-  if shards != 1:
-    raise ValueError(f"the fused Pallas projections take unsplit weights, got shards={shards}")
-
-  return fused_linear(x, w, interpret=interpret_pallas(), **options)
-
-
-LINEAR_BACKENDS = ("xla", "pallas")
-
-
-def check_linear_backend(config: DecoderConfig, linear: str) -> None:
-  """ValueError for an unknown projection backend, or "pallas" on widths it cannot take."""
-  if linear not in LINEAR_BACKENDS:
-    raise ValueError(f"linear must be one of {LINEAR_BACKENDS}, got {linear!r}")
-  if linear == "pallas":
-    widths = {"hidden_size": config.hidden_size, "qkv width": config.qkv_width,
-              "num_heads * head_dim": config.num_heads * config.head_dim,
-              "intermediate_size": config.intermediate_size}
-    odd = {name: value for name, value in widths.items() if value % 16}
-    if odd:
-      raise ValueError(f"linear='pallas' needs multiples of 16; got {odd}")
-
-
 LAYER_LOOPS = ("scan", "unroll")
-
-
-def _shards(mesh) -> int:
-  """Devices of a tensor-parallel mesh (1 without one)."""
-  return 1 if mesh is None else mesh.devices.size
 
 
 def _over_layers(body, carry, weights, num_layers: int, layer_loop: str):
@@ -275,27 +242,26 @@ class Decoder(nnx.Module):
       x = x + jnp.take(self.position_embed[...], positions, axis=0)
     return x
 
-  def _lm_head(self, x):
-    """Final norm and vocabulary projection, float32 logits [..., V]."""
+  def unembed(self, x):
+    """Final norm and vocabulary projection: x [..., D] -> float32 logits [..., V]."""
     x = _norm(x, self.final_norm_scale[...], self._value("final_norm_bias"), self.config.norm_eps)
     # [D, V]
     head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
     precision = jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None
     return jnp.matmul(x, head, precision=precision, preferred_element_type=jnp.float32)
 
-  def _block(self, x, w, positions, attend, project=xla_projection, shards: int = 1,
-             attend_qkv=None):
-    """One transformer block. x [B, S, D]; `attend(q, k, v)` returns [B, S, N*H]. With
-    `attend_qkv` (one device), `attend_qkv(qkv [B*S, Nq + 2K, H])` replaces the slicing, the
-    RoPE and `attend`, and returns [B*S, Nq, H].
+  def _layer(self, x, w, positions, kv, attend, shards: int):
+    """One transformer block: the new hidden state and the layer's new K/V.
 
-    `shards` > 1: the QKV and gated MLP-in columns are shard-major (`cg_jax.sharding`), each of
-    the `shards` column groups holding its own heads' [q | k | v] (and [gate | up]).
-
-    The four projections (norm + QKV, output + residual, norm + MLP in + activation, MLP out +
-    residual) run through `project(x, w[kind], **options)`: `xla_projection` (plain XLA ops) or
-    a fused Pallas kernel per projection (`_fused_projection`, for the few rows of a decode
-    step), which may take `w` as the weights stacked over layers with the layer bound in.
+    Args:
+      x: [B, S, D]; w: this layer's weights {kind: array}; positions: int32 [B, S].
+      kv: the attention's cache state, passed through `attend` (None without a cache).
+      attend: attend(q [B, S, N, H], k [B, S, K, H], v [B, S, K, H], kv) -> (out [B, S, N, H],
+        kv), k and v after RoPE.
+      shards: column groups of the QKV and gated MLP-in weights (1: the canonical layout; more:
+        shard-major, each group holding its own heads' [q | k | v] and [gate | up]).
+    Returns:
+      (x [B, S, D], kv).
     """
     c = self.config
     batch, seq, hidden = x.shape
@@ -303,66 +269,67 @@ class Decoder(nnx.Module):
     norm = "layer" if c.uses_layernorm else "rms"
     # [B*S, D]
     flat = x.reshape(rows, hidden)
-    # [B*S, (Nq + 2K) * H]
-    qkv = project(flat, w["qkv_kernel"], norm=norm, norm_scale=w["attn_norm_scale"],
-                  norm_bias=w.get("attn_norm_bias"), eps=c.norm_eps, bias=w.get("qkv_bias"))
+    # [B*S, (N + 2K) H]
+    qkv = projection(flat, w["qkv_kernel"], norm=norm, norm_scale=w["attn_norm_scale"],
+                     norm_bias=w.get("attn_norm_bias"), eps=c.norm_eps, bias=w.get("qkv_bias"))
     q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    if attend_qkv is not None:
-      # [B*S, Nq + 2K, H]: a free reshape of the projection's output
-      attn = attend_qkv(qkv.reshape(rows, -1, c.head_dim)).reshape(rows, q_width)
-    else:
-      # [B*S, shards, per-shard [q | k | v] columns]
-      qkv = qkv.reshape(rows, shards, -1)
-      q_part, kv_part = q_width // shards, kv_width // shards
-      q = qkv[..., :q_part].reshape(batch, seq, c.num_heads, c.head_dim)
-      k = qkv[..., q_part:q_part + kv_part].reshape(batch, seq, c.num_kv_heads, c.head_dim)
-      v = qkv[..., q_part + kv_part:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
-      if c.uses_rope:
-        inv_freq = jnp.asarray(rope_inverse_frequencies(c))
-        q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
-      attn = attend(q, k, v).reshape(rows, q_width)
-    flat = project(attn, w["out_kernel"], bias=w.get("out_bias"), residual=flat)
+    # [B*S, shards, per-shard [q | k | v] columns]
+    qkv = qkv.reshape(rows, shards, -1)
+    q_part, kv_part = q_width // shards, kv_width // shards
+    q = qkv[..., :q_part].reshape(batch, seq, c.num_heads, c.head_dim)
+    k = qkv[..., q_part:q_part + kv_part].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    v = qkv[..., q_part + kv_part:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    if c.uses_rope:
+      inv_freq = jnp.asarray(rope_inverse_frequencies(c))
+      q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
+    attn, kv = attend(q, k, v, kv)
+    flat = projection(attn.reshape(rows, q_width), w["out_kernel"], bias=w.get("out_bias"),
+                      residual=flat)
     # [B*S, F]: act(h W + b), or act(gate) * up for the gated (SwiGLU) MLP
-    mlp = project(flat, w["mlp_in_kernel"], norm=norm, norm_scale=w["mlp_norm_scale"],
-                  norm_bias=w.get("mlp_norm_bias"), eps=c.norm_eps, bias=w.get("mlp_in_bias"),
-                  activation=c.activation, gated=c.gated_mlp, shards=shards)
-    flat = project(mlp, w["mlp_out_kernel"], bias=w.get("mlp_out_bias"), residual=flat)
-    return flat.reshape(batch, seq, hidden)
+    mlp = projection(flat, w["mlp_in_kernel"], norm=norm, norm_scale=w["mlp_norm_scale"],
+                     norm_bias=w.get("mlp_norm_bias"), eps=c.norm_eps, bias=w.get("mlp_in_bias"),
+                     activation=c.activation, gated=c.gated_mlp, shards=shards)
+    flat = projection(mlp, w["mlp_out_kernel"], bias=w.get("mlp_out_bias"), residual=flat)
+    return flat.reshape(batch, seq, hidden), kv
 
-  @property
-  def _sm_scale(self) -> float:
-    return 1.0 / math.sqrt(self.config.head_dim)
+  def _layers(self, x, positions, cache: KVCache | None, attend, layer_loop: str, shards: int):
+    """Every layer over x [B, S, D]; attend(q, k, v, k_all, v_all, layer) -> (out, k_all, v_all)
+    updates the stacked cache (k_all, v_all None without one). Returns (x, k_all, v_all)."""
+
+    def body(carry, w, layer):
+      x, k_all, v_all = carry
+
+      def layer_attend(q, k, v, kv):
+        out, k_all, v_all = attend(q, k, v, *kv, layer)
+        return out, (k_all, v_all)
+
+      x, (k_all, v_all) = self._layer(x, w, positions, (k_all, v_all), layer_attend, shards)
+      return x, k_all, v_all
+
+    carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
+    return _over_layers(body, carry, self._layer_weights(), self.config.num_layers, layer_loop)
 
   # ----------------------------------------------------------------------------------------------
-  # Forward paths
+  # Forward paths. `attention`: the implementation (`models.attention`); `layer_loop`: "scan" or
+  # "unroll" (`_over_layers`); `shards`: the weights' column groups (`_layer`).
 
-  def logits(self, tokens, *, attention: Backend = "xla", layer_loop: str = "scan", mesh=None):
-    """Full-sequence logits without cache. (`mesh`: see `decode`.)
-
-    Args:
-      tokens: int32 [B, S].
-    Returns:
-      float32 [B, S, V].
-    """
+  def logits(self, tokens, *, attention=XlaAttention(), layer_loop: str = "scan",
+             shards: int = 1):
+    """Full-sequence logits without cache: tokens int32 [B, S] -> float32 [B, S, V]."""
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     lengths = jnp.full((batch,), seq, jnp.int32)
 
-    def attend(q, k, v):
-      return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention,
-                               mesh=mesh)
+    def attend(q, k, v, k_all, v_all, layer):
+      return attention.causal(q, k, v, lengths), k_all, v_all
 
-    def body(x, w, layer):
-      return self._block(x, w, positions, attend, shards=_shards(mesh))
+    x, _, _ = self._layers(self._embed(tokens, positions), positions, None, attend, layer_loop,
+                           shards)
+    return self.unembed(x)
 
-    x = _over_layers(body, self._embed(tokens, positions), self._layer_weights(),
-                     self.config.num_layers, layer_loop)
-    return self._lm_head(x)
-
-  def prefill(self, tokens, lengths, cache: KVCache, *, attention: Backend = "xla",
-              layer_loop: str = "scan", mesh=None):
-    """Run right-padded prompts, writing their keys and values to cache[:, :, :S].
-    (`mesh`: see `decode`.)
+  def prefill(self, tokens, lengths, cache: KVCache, *, attention=XlaAttention(),
+              layer_loop: str = "scan", shards: int = 1):
+    """Run right-padded prompts, writing their keys and values to cache[:, :B, :S].
 
     Args:
       tokens: int32 [B, S], right-padded; lengths: int32 [B], real tokens per row (0 for an
@@ -374,108 +341,42 @@ class Decoder(nnx.Module):
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
-    def body(carry, w, layer):
-      x, k_all, v_all = carry
-      written = {}
+    def attend(q, k, v, k_all, v_all, layer):
+      return attention.prefill(q, k, v, lengths, k_all, v_all, layer)
 
-      def attend(q, k, v):
-        written["k"], written["v"] = k, v
-        return prefill_attention(q, k, v, lengths, sm_scale=self._sm_scale, backend=attention,
-                                 mesh=mesh)
-
-      x = self._block(x, w, positions, attend, shards=_shards(mesh))
-      start = (layer, 0, 0, 0, 0)
-      # [L, B, T, K, H] <- [1, B, S, K, H] at (layer, 0, 0)
-      k_all = jax.lax.dynamic_update_slice(k_all, written["k"][None].astype(k_all.dtype), start)
-      v_all = jax.lax.dynamic_update_slice(v_all, written["v"][None].astype(v_all.dtype), start)
-      return x, k_all, v_all
-
-    carry = (self._embed(tokens, positions), cache.k, cache.v)
-    x, k_all, v_all = _over_layers(body, carry, self._layer_weights(), self.config.num_layers,
-                                   layer_loop)
+    x, k_all, v_all = self._layers(self._embed(tokens, positions), positions, cache, attend,
+                                   layer_loop, shards)
     # [B, D]: the hidden state of each row's last real token.
     last = jnp.maximum(lengths - 1, 0)
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    return self._lm_head(x_last), KVCache(k=k_all, v=v_all)
+    return self.unembed(x_last), KVCache(k=k_all, v=v_all)
 
-  def decode(self, tokens, positions, cache: KVCache, *, attention: Backend = "xla",
-             layer_loop: str = "scan", min_matmul_rows: int = 1, linear: str = "xla",
-             mesh=None, cache_write: str = "fused", decode_splits: str = "fixed",
-             decode_combine: str = "xla", decode_qkv: str = "xla"):
-    """One decode step: each row's token is written at its own position and attends to the
-    cache up to and including it.
+  def decode_hidden(self, tokens, positions, cache: KVCache, *, attention=XlaAttention(),
+                    layer_loop: str = "scan", shards: int = 1):
+    """One decode step up to the last layer: each row's token is written at its own position and
+    attends to the cache up to and including it.
 
     Args:
       tokens: int32 [B]; positions: int32 [B], each < T; cache: `KVCache` [L, B', T, K, H] with
         B' >= B; rows [0, B) are used and written.
-      min_matmul_rows: with fewer batch rows than this, the hidden state is zero-padded to this
-        many rows for the whole step (the padding rows never reach the cache or attention):
-        XLA rewrites a single-row product as a multiply-and-reduce pair of fusions, and a few
-        padded rows keep every projection a GEMM. The real rows' results do not depend on the
-        padding. XLA projections only (the Pallas ones mask their rows).
-      linear: "xla" or "pallas" projections (see `_block`). The Pallas kernels read each
-        layer's weights in place from the stacked arrays.
-      mesh: a 1-D tensor-parallel mesh (`cg_jax.sharding`): the weights are in its shard-major
-        layout and split over it, the cache by KV head; the Pallas attention kernels then run per
-        device. None on one device.
-      cache_write: "fused" (the Pallas attention kernel stores the new key/value itself, in
-        place) or "scatter" (an XLA scatter per layer before attention); see
-        `models.attention.decode_attention_and_write`.
-      decode_splits, decode_combine: the fused kernel's split of each row's keys ("fixed" or
-        "length") and what merges its splits ("xla" or "pallas"); see
-        `models.attention.decode_kernel_config`.
-      decode_qkv: "xla" (XLA slices the fused QKV output and applies RoPE) or "kernel": with the
-        Pallas backend, unrolled layers, the fused cache write and one device, the attention
-        kernel reads q, k and v from the QKV output in place and applies RoPE itself
-        (`models.attention.decode_attention_and_write_qkv`); otherwise as "xla".
     Returns:
-      (float32 [B, V] next-token logits, updated cache).
+      (hidden state [B, D] before the final norm, updated cache).
     """
-    batch = tokens.shape[0]
-    padded = max(batch, min_matmul_rows) if linear == "xla" else batch
-    stacked = self._layer_weights()
 
-    c = self.config
-    # (cos, sin) float32 [B, H] at the rows' positions, shared by every layer's kernel
-    rope = (rope_cos_sin(positions, jnp.asarray(rope_inverse_frequencies(c)))
-            if c.uses_rope and decode_qkv == "kernel" else None)
+    def attend(q, k, v, k_all, v_all, layer):
+      # q [B, 1, N, H]; k, v [B, 1, K, H] -> cache[layer, b, positions[b]]
+      out, k_all, v_all = attention.decode(q[:, 0], k[:, 0], v[:, 0], positions, k_all, v_all,
+                                           layer)
+      return out[:, None], k_all, v_all
 
-    def body(carry, w, layer):
-      x, k_all, v_all = carry
-      cache_out = {}
-
-      def attend_in_kernel(qkv):
-        # qkv [P, Nq + 2K, H] -> [P, Nq, H]; the real rows' new K/V -> cache[layer, b, pos]
-        out, cache_out["k"], cache_out["v"] = decode_attention_and_write_qkv(
-            qkv, k_all, v_all, positions, rope, layer=layer, sm_scale=self._sm_scale,
-            decode_splits=decode_splits, decode_combine=decode_combine)
-        return out
-
-      in_kernel = (decode_qkv == "kernel" and attention == "pallas" and isinstance(layer, int)
-                   and cache_write == "fused" and mesh is None)
-
-      def attend(q, k, v):
-        # q [P, 1, N, H]; k, v [P, 1, K, H]: the real rows [0, B) -> cache[layer, b, positions[b]];
-        # the padding rows' outputs are zero
-        out, cache_out["k"], cache_out["v"] = decode_attention_and_write(
-            q[:, 0], k[:, 0], v[:, 0], k_all, v_all, positions, layer=layer,
-            sm_scale=self._sm_scale, backend=attention, mesh=mesh, cache_write=cache_write,
-            decode_splits=decode_splits, decode_combine=decode_combine)
-        return out[:, None]
-
-      if linear == "pallas":
-        w, project = stacked, functools.partial(_fused_projection, layer=layer)
-      else:
-        project = xla_projection
-      x = self._block(x, w, padded_positions[:, None], attend, project, _shards(mesh),
-                      attend_in_kernel if in_kernel else None)
-      return x, cache_out["k"], cache_out["v"]
-
-    # [P]: the padding rows take position 0 (their values never reach a real row)
-    padded_positions = jnp.pad(positions, (0, padded - batch))
+    # [B, 1, D]
     x = self._embed(tokens[:, None], positions[:, None])
-    # [B, 1, D] -> [P, 1, D]
-    x = jnp.pad(x, ((0, padded - batch), (0, 0), (0, 0)))
-    x, k_all, v_all = _over_layers(body, (x, cache.k, cache.v), stacked, self.config.num_layers,
-                                   layer_loop)
-    return self._lm_head(x[:batch, 0]), KVCache(k=k_all, v=v_all)
+    x, k_all, v_all = self._layers(x, positions[:, None], cache, attend, layer_loop, shards)
+    return x[:, 0], KVCache(k=k_all, v=v_all)
+
+  def decode(self, tokens, positions, cache: KVCache, *, attention=XlaAttention(),
+             layer_loop: str = "scan", shards: int = 1):
+    """`decode_hidden` and `unembed`: (float32 [B, V] next-token logits, updated cache)."""
+    x, cache = self.decode_hidden(tokens, positions, cache, attention=attention,
+                                  layer_loop=layer_loop, shards=shards)
+    return self.unembed(x), cache

@@ -310,12 +310,29 @@ def convert_state_dict(config: DecoderConfig, state_dict: Mapping[str, Any],
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-  """The parsed config.json of a checkpoint directory."""
+  """The parsed config.json of a checkpoint directory.
+
+  Raises:
+    CheckpointError: no config.json, or one that is not a JSON object (the message names the
+      file, and the line and column of invalid JSON).
+  """
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
     raise CheckpointError(f"no config.json in checkpoint directory {os.fspath(path)!r}")
-  with open(config_path) as f:
-    return json.load(f)
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      hf = json.load(f)
+  except json.JSONDecodeError as err:
+    raise CheckpointError(f"{config_path} is not valid JSON: {err.msg} at line {err.lineno}, "
+                          f"column {err.colno}") from None
+  except UnicodeDecodeError as err:
+    raise CheckpointError(f"{config_path} is not UTF-8 text: {err.reason} at byte "
+                          f"{err.start}") from None
+  if not isinstance(hf, dict):
+    kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(hf), "a number")
+    raise CheckpointError(f"{config_path} must hold a JSON object {{...}}, got {kind}")
+  return hf
 
 
 def _safetensors_files(path: str) -> dict[str, str]:

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from models.attention import XlaAttention
 from models.config import DecoderConfig
 from models.decoder import Decoder
 from models.hf import save_checkpoint
@@ -131,7 +132,7 @@ def make_steps(graphdef, optimizer):
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
     # [B, S, V] float32
-    logits = model.logits(batch[:, :-1], attention="xla", layer_loop="scan")
+    logits = model.logits(batch[:, :-1], attention=XlaAttention(), layer_loop="scan")
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
   def train_step(params, opt_state, batch):

@@ -44,8 +44,13 @@ def relative_error(out, reference) -> float:
   return float(np.max(np.abs(out - reference)) / np.max(np.abs(reference)))
 
 
-def split_by_kv_head(array, engine) -> bool:
-  return array.sharding.is_equivalent_to(engine._parallel.cache(), array.ndim)
+def split_by_kv_head(array) -> bool:
+  """Split over every device along the KV-head axis of [L, B, T, K, H]."""
+  return (len(array.sharding.device_set) == DEVICES
+          and array.sharding.is_equivalent_to(
+              jax.sharding.NamedSharding(array.sharding.mesh,
+                                         jax.sharding.PartitionSpec(None, None, None, AXIS)),
+              array.ndim))
 
 
 def check(condition: bool, message: str) -> None:
@@ -61,7 +66,7 @@ def check_engine(name, config):
   check(parallel.stats()["tensor_parallel"] == DEVICES, "stats report tensor_parallel")
 
   # Placements: split weights and a cache split by KV head, over all devices.
-  qkv = next(w for w in parallel._split.weights if w.ndim == 3
+  qkv = next(w for w in parallel.executables.steps.split.weights if w.ndim == 3
              and w.shape[-1] == config.qkv_width)
   check(len(qkv.sharding.device_set) == DEVICES, f"{name}: qkv on {qkv.sharding.device_set}")
   check(qkv.sharding.spec == jax.sharding.PartitionSpec(None, None, AXIS), f"{name}: qkv spec")
@@ -72,7 +77,7 @@ def check_engine(name, config):
 
   # Back to one device from the split engine.
   again = parallel.with_options(tensor_parallel=1)
-  check(all(len(w.sharding.device_set) == 1 for w in again._split.weights),
+  check(all(len(w.sharding.device_set) == 1 for w in again.executables.steps.split.weights),
         f"{name}: with_options(tensor_parallel=1) left weights split")
 
   # Full-forward logits.
@@ -80,18 +85,19 @@ def check_engine(name, config):
   error = relative_error(parallel.logits(ids), single.logits(ids))
   check(error <= 1e-5, f"{name}: full-forward logits differ by {error:.2e} relative")
 
-  # Prefill + decode logits through the model with the mesh, on the engine's sharded weights.
-  mesh = parallel._parallel.mesh
+  # Prefill + decode logits through the model with the split engine's attention and weights.
   tokens = jnp.asarray([[3, 1, 4, 0], [2, 7, 1, 8]], jnp.int32)
   lengths = jnp.asarray([3, 4], jnp.int32)
 
-  def run(engine, mesh):
-    model = engine._split.merge(engine._split.weights)
+  def run(engine):
+    steps = engine.executables.steps
     cache = init_cache(config, 2, 16, jnp.float32)
-    if mesh is not None:
-      cache = jax.device_put(cache, parallel._parallel.cache())
-    prefill = jax.jit(lambda t, n, c: model.prefill(t, n, c, mesh=mesh))
-    decode = jax.jit(lambda t, p, c: model.decode(t, p, c, mesh=mesh, min_matmul_rows=8))
+    if engine is parallel:
+      cache = jax.device_put(cache, parallel.kv_cache.get().k.sharding)
+    model = steps.split.merge(steps.split.weights)
+    options = dict(attention=steps.attention, shards=steps.shards)
+    prefill = jax.jit(lambda t, n, c: model.prefill(t, n, c, **options))
+    decode = jax.jit(lambda t, p, c: model.decode(t, p, c, **options))
     logits, cache = prefill(tokens, lengths, cache)
     outs = [logits]
     step_tokens, positions = jnp.asarray([5, 6], jnp.int32), lengths
@@ -101,12 +107,12 @@ def check_engine(name, config):
       step_tokens, positions = jnp.argmax(logits, -1).astype(jnp.int32), positions + 1
     return outs, cache
 
-  reference, reference_cache = run(single, None)
-  sharded, sharded_cache = run(parallel, mesh)
+  reference, reference_cache = run(single)
+  sharded, sharded_cache = run(parallel)
   for step, (got, want) in enumerate(zip(sharded, reference)):
     error = relative_error(got, want)
     check(error <= 1e-5, f"{name}: step {step} logits differ by {error:.2e} relative")
-  check(split_by_kv_head(sharded_cache.k, parallel),
+  check(split_by_kv_head(sharded_cache.k),
         f"{name}: decode returned the cache as {sharded_cache.k.sharding}")
   error = relative_error(sharded_cache.k, reference_cache.k)
   check(error <= 1e-5, f"{name}: cache keys differ by {error:.2e}")
@@ -125,7 +131,7 @@ def check_engine(name, config):
   unrolled = parallel.with_options(layer_loop="unroll")
   check(unrolled.generate(PROMPTS, max_new_tokens=10, eos_token_id=[]) == expected,
         f"{name}: greedy tokens differ (unrolled layers)")
-  check(split_by_kv_head(parallel._cache.k, parallel), f"{name}: engine cache placement")
+  check(split_by_kv_head(parallel.kv_cache.get().k), f"{name}: engine cache placement")
 
   # Swap out mid-stream and back in: the same continuation; the cache returns split.
   stream = parallel.stream(PROMPTS[:1], max_new_tokens=10, eos_token_id=[])
@@ -133,7 +139,7 @@ def check_engine(name, config):
   parallel.swap_out()
   check(parallel.kv_cache_memory_kind == "pinned_host", f"{name}: swapped-out memory kind")
   parallel.swap_in()
-  check(split_by_kv_head(parallel._cache.k, parallel), f"{name}: cache placement after swap-in")
+  check(split_by_kv_head(parallel.kv_cache.get().k), f"{name}: cache placement after swap-in")
   tokens_after = [chunk.tokens[0] for chunk in first + list(stream) if 0 in chunk.tokens]
   check(tokens_after == list(expected[0]), f"{name}: tokens after a swap differ")
 

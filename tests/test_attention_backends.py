@@ -1,11 +1,15 @@
-"""The model with attention="pallas" (kernels interpreted on CPU) equals attention="xla"."""
+"""The model with attention="pallas" (kernels interpreted on CPU) equals attention="xla", and the
+forward configuration's combinations."""
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cg_jax import Engine
-from models.attention import decode_attention_and_write, default_backend
+from cg_jax import DecodeAttentionConfig, Engine, FlashAttentionConfig
+from cg_jax.attention import PallasAttention, RealRows
+from models.attention import XlaAttention
 from tests.helpers import RELATIVE_TOLERANCE, assert_close_relative
 
 
@@ -31,62 +35,66 @@ def test_pallas_and_xla_agree(model):
 
 
 def test_length_splits_give_the_same_tokens():
-  """decode_splits="length" (each row's valid keys shared among the split-K programs) against
-  the XLA backend, on a cache cut into 4 splits with an 80-token prompt (keys past one block)."""
+  """DecodeAttentionConfig(length_splits=True) (each row's valid keys shared among the split-K
+  programs) against the XLA backend, on a cache cut into 4 splits with an 80-token prompt (keys
+  past one block)."""
   xla = Engine.from_pretrained("tiny-llama", attention="xla", batch_buckets=(2,),
                                prompt_buckets=(96,), max_seq_len=256)
   prompts = [list(range(3, 83)), [38, 46]]
   expected = xla.generate(prompts, max_new_tokens=8, eos_token_id=[])
-  by_length = xla.with_options(attention="pallas", layer_loop="unroll", decode_splits="length")
-  assert by_length.stats()["decode_splits"] == "length"
+  by_length = xla.with_options(attention="pallas", layer_loop="unroll",
+                               decode_attention=DecodeAttentionConfig(length_splits=True))
+  assert by_length.stats()["decode_attention"]["length_splits"] is True
   assert by_length.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
 
 
-@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-llama"])
-def test_qkv_read_and_rotated_in_the_kernel_give_the_same_tokens(model):
-  """decode_qkv="kernel": the fused decode kernel reads q, k and v from the QKV output in place
-  and applies RoPE itself (tiny-llama; tiny-gpt2 has none, but a QKV bias); the tokens equal the
-  XLA backend's, with fixed and with length splits over a 4-split cache, and with the Pallas
-  split combine."""
-  xla = Engine.from_pretrained(model, attention="xla", batch_buckets=(2,), prompt_buckets=(96,),
-                               max_seq_len=256)
-  prompts = [list(range(3, 83)), [38, 46]]
-  expected = xla.generate(prompts, max_new_tokens=8, eos_token_id=[])
-  in_kernel = xla.with_options(attention="pallas", layer_loop="unroll", decode_qkv="kernel")
-  assert in_kernel.stats()["decode_qkv"] == "kernel"
-  assert in_kernel.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
-  by_length = in_kernel.with_options(decode_splits="length")
-  assert by_length.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
-  # ... and with the splits merged by the Pallas combine kernel, with and without the QKV read.
-  combined = in_kernel.with_options(decode_combine="pallas")
-  assert combined.stats()["decode_combine"] == "pallas"
-  assert combined.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
-  sliced = combined.with_options(decode_qkv="xla")
-  assert sliced.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
+def test_cpu_defaults():
+  """Off the GPU: XLA attention, scanned layers, scatters; the kernel configs at their
+  defaults, all as stats() reports them."""
+  stats = Engine.from_pretrained("tiny-gpt2").stats()
+  assert (stats["attention"], stats["layer_loop"], stats["cache_write"]) == ("xla", "scan",
+                                                                             "scatter")
+  assert stats["decode_attention"] == dataclasses.asdict(DecodeAttentionConfig())
 
 
-def test_cpu_default_is_xla():
-  assert default_backend() == "xla"
-  assert Engine.from_pretrained("tiny-gpt2").stats()["attention"] == "xla"
+@pytest.mark.parametrize("options, match", [
+    (dict(attention="xla", cache_write="fused"),
+     r"cache_write='fused' needs attention='pallas' .*got attention='xla'"),
+    (dict(attention="pallas", layer_loop="scan", cache_write="fused"),
+     r"cache_write='fused' needs layer_loop='unroll' .*got layer_loop='scan'"),
+    (dict(attention="xla", decode_attention=DecodeAttentionConfig(length_splits=True)),
+     r"decode_attention=DecodeAttentionConfig\(.*length_splits=True\) has no effect with "
+     r"attention='xla'"),
+    (dict(attention="xla", prefill_attention=FlashAttentionConfig(block_q=32)),
+     r"prefill_attention=.* has no effect with attention='xla'"),
+])
+def test_options_that_would_not_take_effect_are_errors(options, match):
+  with pytest.raises(ValueError, match=match):
+    Engine.from_pretrained("tiny-gpt2", **options)
+
+
+def test_kernel_configs_are_typed():
+  with pytest.raises(TypeError, match="decode_attention must be a DecodeAttentionConfig, got"):
+    Engine.from_pretrained("tiny-gpt2", attention="pallas", decode_attention={"block_k": 32})
 
 
 @pytest.mark.parametrize("cache_rows", [3, 5])
 def test_decode_write_keeps_padding_rows_out(cache_rows):
-  """decode_attention_and_write on 5 rows of which 2 are real: the real rows' outputs and cache
-  writes equal the XLA path's (float32), the padding rows give zeros and write nothing, on a
-  cache with fewer and with as many rows as the padded input."""
+  """Decode over 2 real rows of 5 (`RealRows`) with the fused Pallas kernel: the real rows'
+  outputs and cache writes equal the XLA implementation's (float32), the padding rows give zeros
+  and write nothing, on a cache with fewer and with as many rows as the padded input."""
   rng = np.random.default_rng(cache_rows)
   layers, max_len, heads, kv_heads, head_dim, padded = 2, 32, 4, 2, 16, 5
   q, k_new, v_new = (jnp.asarray(rng.standard_normal((padded, h, head_dim)), jnp.float32)
                      for h in (heads, kv_heads, kv_heads))
   cache = [rng.standard_normal((layers, cache_rows, max_len, kv_heads, head_dim)).astype(np.float32)
            for _ in range(2)]
-  positions = jnp.asarray([7, 30], jnp.int32)
+  positions = jnp.asarray([7, 30, 0, 0, 0], jnp.int32)
+  implementations = {"xla": XlaAttention(), "pallas": PallasAttention(interpret=True)}
   results = {
-      backend: decode_attention_and_write(q, k_new, v_new, jnp.asarray(cache[0]),
-                                          jnp.asarray(cache[1]), positions, layer=1,
-                                          sm_scale=0.25, backend=backend)  # (fresh: donated)
-      for backend in ("xla", "pallas")}
+      name: RealRows(impl, 2).decode(q, k_new, v_new, positions, jnp.asarray(cache[0]),
+                                     jnp.asarray(cache[1]), 1)  # (fresh arrays: donated)
+      for name, impl in implementations.items()}
   (out_xla, k_xla, v_xla), (out, k_out, v_out) = results["xla"], results["pallas"]
   assert out.shape == (padded, heads, head_dim)
   assert_close_relative(out[:2], out_xla[:2], RELATIVE_TOLERANCE["float32"], "real rows")

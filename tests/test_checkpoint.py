@@ -134,9 +134,14 @@ def test_no_weights_file(tmp_path):
     Engine.from_pretrained(tmp_path / "empty", **ENGINE)
 
 
-def test_not_a_model(tmp_path):
+def test_not_a_model(tmp_path, monkeypatch):
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
   with pytest.raises(ValueError, match="not a directory, a bundled model .*, a preset"):
+    Engine.from_pretrained("no-such-model")
+  with pytest.raises(ValueError) as info:
     Engine.from_pretrained(str(tmp_path / "nope"))
+  assert str(info.value) == (
+      f"model {str(tmp_path / 'nope')!r}: there is no checkpoint directory at {tmp_path / 'nope'}")
 
 
 ROUND_TRIP_CONFIGS = {
@@ -177,3 +182,20 @@ def test_save_checkpoint_rejects_wrong_layer_count(tmp_path):
   weights["qkv_kernel"] = weights["qkv_kernel"][:1]
   with pytest.raises(ValueError, match="qkv_kernel.*1 layers, expected 2"):
     save_checkpoint(tmp_path / "out", ours, weights)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"model_type": "llama",\n "vocab_size": }',
+     "is not valid JSON: Expecting value at line 2, column 16"),
+    ('{"model_type": "llama",}',
+     "is not valid JSON: Expecting property name enclosed in double quotes at line 1, column 24"),
+    ("", "is not valid JSON: Expecting value at line 1, column 1"),
+    ('[{"model_type": "llama"}]', "must hold a JSON object {...}, got an array"),
+    ('"llama"', "must hold a JSON object {...}, got a string"),
+    (b'{"model_type": "\xff"}', "is not UTF-8 text: invalid start byte at byte 16"),
+])
+def test_bad_config_json_names_the_file(tmp_path, text, problem):
+  (tmp_path / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+  with pytest.raises(CheckpointError) as info:
+    Engine.from_pretrained(tmp_path)
+  assert str(info.value) == f"{tmp_path / 'config.json'} {problem}"

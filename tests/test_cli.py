@@ -1,15 +1,18 @@
-"""The CLI on a preset and on a checkpoint directory with a tokenizer; text prompts; model lookup
-in the local Hugging Face cache; the persistent compilation cache across processes."""
+"""The CLI on a preset and on a checkpoint directory with a tokenizer; text prompts; streaming,
+stop strings, help, warnings and errors in flag names; model lookup in the local Hugging Face
+cache and of paths; the persistent compilation cache across processes."""
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cg_jax import Engine
+from cg_jax import Engine, cli, hub
 from tests.helpers import hf_llama_config, random_tensors, write_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +80,7 @@ def test_cli_tensor_parallel_gives_the_one_device_tokens():
   assert json.loads(split.stdout)["tokens"] == json.loads(one.stdout)["tokens"]
   bad = _run(*args, "--tensor-parallel", "3", env=two_devices)
   assert bad.returncode == 2
-  assert "tensor_parallel must be an int in [1, 2] (the devices here), got 3" in bad.stderr
+  assert "error: --tensor-parallel must be an int in [1, 2] (the devices here), got 3" in bad.stderr
 
 
 def test_cli_reports_bad_input():
@@ -135,3 +138,222 @@ def test_cli_profile_reports_per_step_numbers():
   report = json.loads(out.stdout)
   assert report["steps"] == 3 and report["graphs"] == "full"
   assert report["step_us"] > 0 and os.path.exists(report["trace"])
+
+
+STATS = (r"time to first token [\d.]+ ms \| per token [\d.]+ ms \| [\d.]+ tokens/s \| "
+         r"warmup [\d.]+ s \(\d+ executables\)")
+SMALL = ("--max-new-tokens", "6", "--batch-buckets", "1", "--max-seq-len", "64")
+
+
+class _Built(Exception):
+  """Raised by the stand-in `Engine.from_pretrained`: the CLI got as far as building."""
+
+
+def _stop_at_build(monkeypatch) -> list[dict]:
+  """Replace `Engine.from_pretrained` by one that records its arguments and raises `_Built`."""
+  calls = []
+
+  def from_pretrained(model, **options):
+    calls.append(dict(options, model=model))
+    raise _Built
+
+  monkeypatch.setattr(Engine, "from_pretrained", from_pretrained)
+  return calls
+
+
+def test_help_shows_every_default(monkeypatch, capsys):
+  monkeypatch.setenv("COLUMNS", "200")
+  parser = cli.build_parser()
+  commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+  for name, command in commands.choices.items():
+    with pytest.raises(SystemExit):
+      cli.main([name, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for action in command._actions:
+      if action.dest != "help":
+        assert action.help, f"{name} {action.option_strings[0]} has no help"
+        assert f"{action.help} (default: {action.default})" in shown, (name, action.dest)
+    if name == "generate":
+      assert "--max-new-tokens MAX_NEW_TOKENS tokens to generate per prompt (default: 32)" in shown
+      assert "None = auto (bfloat16 on GPU, float32 elsewhere) (default: None)" in shown
+    else:
+      assert "None = min(model context, 1024) (default: None)" in shown
+
+
+def test_stream_prints_what_generate_prints(checkpoint):
+  engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,), max_seq_len=64)
+  text = engine.generate("the quick brown", max_new_tokens=6).texts[0]
+  out = _run("generate", "--model", str(checkpoint), "--prompt", "the quick brown", *SMALL,
+             "--stream")
+  assert out.returncode == 0, out.stderr
+  assert re.fullmatch(re.escape(f"[0] the quick brown{text}\n") + STATS + "\n", out.stdout)
+  ids = Engine.from_pretrained("tiny-gpt2", batch_buckets=(1,), max_seq_len=64).generate(
+      [[5, 6, 7]], max_new_tokens=6)[0]
+  out = _run("generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", *SMALL, "--stream")
+  assert out.returncode == 0, out.stderr
+  assert re.fullmatch(re.escape(f"[0] {' '.join(map(str, ids))}\n") + STATS + "\n", out.stdout)
+
+
+def test_stream_takes_one_prompt_and_no_json(monkeypatch, capsys):
+  calls = _stop_at_build(monkeypatch)
+  args = ["generate", "--model", "tiny-gpt2", "--prompt-ids", "1", "--stream"]
+  assert cli.main([*args, "--prompt-ids", "2"]) == 2
+  assert capsys.readouterr().err == (
+      "error: --stream takes one prompt, got 2; drop --stream to generate a batch\n")
+  assert calls == []
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main([*args, "--json"])
+  assert exit_info.value.code == 2
+  assert "argument --json: not allowed with argument --stream" in capsys.readouterr().err
+
+
+def test_stop_cuts_the_text_before_the_stop_string(checkpoint):
+  """Waits for the engine's `stop=`."""
+  args = ("generate", "--model", str(checkpoint), "--prompt", "the quick brown",
+          "--max-new-tokens", "12", "--batch-buckets", "1", "--max-seq-len", "64")
+  engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,), max_seq_len=64)
+  full = engine.generate("the quick brown", max_new_tokens=12).texts[0]
+  words = re.findall(r"[a-z]{2,}", full)  # random weights also emit partial UTF-8 bytes
+  assert words, full
+  stop = words[-1]
+  expected = full[:full.index(stop)]
+  out = _run(*args, "--stop", "never in the text", "--stop", stop, "--json")
+  assert out.returncode == 0, out.stderr
+  assert json.loads(out.stdout)["texts"] == [expected]
+  out = _run(*args, "--stop", stop, "--stream")
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.splitlines()[0] == f"[0] the quick brown{expected}"
+
+
+def test_stop_and_text_prompts_need_a_tokenizer(tmp_path, monkeypatch, capsys):
+  calls = _stop_at_build(monkeypatch)
+  assert cli.main(["generate", "--model", "tiny-gpt2", "--prompt", "hello"]) == 2
+  assert capsys.readouterr().err == (
+      "error: the model 'tiny-gpt2' has no tokenizer (presets have random weights and none): "
+      "use --prompt-ids or a checkpoint directory with tokenizer.json\n")
+  (tmp_path / "config.json").write_text(json.dumps(hf_llama_config()))
+  assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "hello"]) == 2
+  assert capsys.readouterr().err == (
+      f"error: the model {str(tmp_path)!r} has no tokenizer (no tokenizer.json in {tmp_path}): "
+      "use --prompt-ids or a checkpoint directory with tokenizer.json\n")
+  assert cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "1", "--stop", "."]) == 2
+  assert capsys.readouterr().err == (
+      "error: --stop needs a tokenizer and the model 'tiny-gpt2' has none (presets have random "
+      "weights and none): drop --stop or use a checkpoint directory with tokenizer.json\n")
+  assert calls == []  # refused before building anything
+
+
+@pytest.mark.parametrize("flags, warning", [
+    (["--top-k", "5"], "warning: --top-k has no effect without --temperature > 0 (decoding "
+                       "greedily)\n"),
+    (["--top-k", "5", "--top-p", "0.9"], "warning: --top-k and --top-p have no effect without "
+                                         "--temperature > 0 (decoding greedily)\n"),
+    (["--top-p", "0.9", "--temperature", "0.7"], ""),
+    (["--top-k", "0", "--top-p", "1"], ""),
+])
+def test_sampling_flags_without_temperature_warn(monkeypatch, capsys, flags, warning):
+  _stop_at_build(monkeypatch)
+  with pytest.raises(_Built):
+    cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "1", *flags])
+  assert capsys.readouterr().err == warning
+
+
+def test_sampling_flags_without_temperature_still_decode_greedily():
+  greedy = Engine.from_pretrained("tiny-gpt2", batch_buckets=(1,), max_seq_len=64).generate(
+      [[5, 6, 7]], max_new_tokens=6)
+  out = _run("generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", *SMALL, "--top-k", "5",
+             "--top-p", "0.5", "--json")
+  assert out.returncode == 0, out.stderr
+  assert "warning: --top-k and --top-p have no effect without --temperature > 0" in out.stderr
+  assert json.loads(out.stdout)["tokens"] == list(greedy)
+
+
+def test_profile_lengths_follow_the_model_context(tmp_path):
+  args = cli.build_parser().parse_args(["profile", "--model", "tiny-gpt2"])
+  assert (args.max_seq_len, args.position) == (None, None)
+  assert cli.profile_lengths("tiny-gpt2", None, None) == (512, 256)
+  assert cli.profile_lengths("tiny-llama", None, None) == (512, 256)
+  assert cli.profile_lengths("gpt2", None, None) == (1024, 512)
+  assert cli.profile_lengths("llama-3.2-1b", None, None) == (1024, 512)
+  assert cli.profile_lengths("tiny-gpt2", 64, None) == (64, 32)
+  assert cli.profile_lengths("tiny-gpt2", 64, 20) == (64, 20)
+  (tmp_path / "config.json").write_text(json.dumps(hf_llama_config()))  # 256 positions
+  assert cli.profile_lengths(str(tmp_path), None, None) == (256, 128)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt-ids", "5,99999"],
+     "--prompt-ids #1, token 2 = 99999 is out of range; token ids must be in [0, 262]"),
+    (["--prompt-ids", "1", "--prompt-ids", ""],
+     "--prompt-ids #2 is empty: every prompt needs at least one token"),
+    (["--prompt-ids", "1,2,3", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--prompt-ids", "1,2,3", "--max-seq-len", "16", "--max-new-tokens", "20"],
+     "--prompt-ids #1 (3 tokens) + --max-new-tokens (20) = 23 exceeds the context of 16 tokens; "
+     "allowed --max-new-tokens for this prompt: 1..13"),
+    (["--prompt-ids", "1", "--temperature", "-1"],
+     "--temperature must be a finite number >= 0, got -1.0"),
+    (["--prompt-ids", "1", "--temperature", "1", "--top-k", "-1"],
+     "--top-k must be >= 0 (0 disables it), got -1"),
+    (["--prompt-ids", "1", "--temperature", "1", "--top-p", "1.5"],
+     "--top-p must be in (0, 1] (1 disables it), got 1.5"),
+    (["--prompt-ids", "1", "--seed", "-1"], "--seed must be None or an int in [0, 2**32), got -1"),
+    (["--prompt-ids", "1", "--max-seq-len", "4000"],
+     "--max-seq-len must be an int in [2, 512], got 4000"),
+    (["--prompt-ids", "1", "--batch-buckets", "2,1"],
+     "--batch-buckets must be strictly ascending, got (2, 1)"),
+])
+def test_cli_errors_name_the_flags(capsys, flags, message):
+  assert cli.main(["generate", "--model", "tiny-gpt2", *flags]) == 2
+  assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_flag_names_replace_engine_parameters():
+  flags = cli.GENERATE_FLAGS
+  assert cli.flag_names("input_ids[2][0] must be an int token id, got 1.5 (float)", flags) == (
+      "--prompt-ids #3, token 1 must be an int token id, got 1.5 (float)")
+  assert cli.flag_names("prompt 1 has 600 tokens; the largest prompt-length bucket is 512",
+                        flags, "--prompt") == (
+      "--prompt #2 has 600 tokens; the largest prompt-length bucket is 512")
+  assert cli.flag_names("stop[1] is empty; stop must be a str or a list of str", flags) == (
+      "--stop #2 is empty; --stop must be a str or a list of str")
+  assert cli.flag_names("position must be < max_seq_len - 1 (63), got 80; batch_buckets",
+                        cli.PROFILE_FLAGS) == (
+      "--position must be < --max-seq-len - 1 (63), got 80; --batch")
+
+
+def test_generate_dtype_defaults_to_auto(monkeypatch):
+  calls = _stop_at_build(monkeypatch)
+  for flags in ([], ["--dtype", "bfloat16"]):
+    with pytest.raises(_Built):
+      cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "1", *flags])
+  assert calls[0].get("dtype") is None and calls[1]["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("name", ["./ckpt", "{tmp}/abs/model", "~/model", "ckpt/sub/dir", "ckpt/"])
+def test_path_like_model_is_not_a_hub_name(tmp_path, monkeypatch, name):
+  name = name.format(tmp=tmp_path)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+  absolute = os.path.abspath(os.path.expanduser(name))
+  with pytest.raises(ValueError) as info:
+    hub.resolve_model(name)
+  assert str(info.value) == f"model {name!r}: there is no checkpoint directory at {absolute}"
+  os.makedirs(absolute)
+  assert hub.resolve_model(name) == os.path.expanduser(name)
+
+
+def test_hub_names_and_files_get_their_own_hints(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+  for name in ("gpt3", "acme/tiny"):
+    with pytest.raises(ValueError) as info:
+      hub.resolve_model(name)
+    assert (f"no network access is attempted. Download it first (e.g. `huggingface-cli download "
+            f"{name}`) or pass a checkpoint directory.") in str(info.value)
+  (tmp_path / "model.safetensors").write_bytes(b"")
+  with pytest.raises(ValueError) as info:
+    hub.resolve_model("./model.safetensors")
+  assert str(info.value) == (
+      f"model './model.safetensors': {tmp_path / 'model.safetensors'} is a file, not a checkpoint "
+      "directory; pass the directory that holds config.json and model.safetensors")

@@ -258,13 +258,9 @@ def test_kv_cache_too_large_fails_at_construction():
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(min_matmul_rows=0), r"min_matmul_rows must be an int in \[1, 64\], got 0"),
     (dict(min_matmul_rows=2.0), "min_matmul_rows must be an int"),
-    (dict(linear="cublas"), "linear must be one of"),
     (dict(cache_write="inplace"), r"cache_write must be one of \('fused', 'scatter'\), got 'inplace'"),
-    (dict(decode_splits="even"), r"decode_splits must be one of \('fixed', 'length'\), got 'even'"),
-    (dict(decode_combine="cuda"), r"decode_combine must be one of \('xla', 'pallas'\), got 'cuda'"),
-    (dict(decode_qkv="triton"), r"decode_qkv must be one of \('xla', 'kernel'\), got 'triton'"),
-    (dict(decode_qkv="kernel", tensor_parallel=2),
-     r"decode_qkv='kernel' needs tensor_parallel=1, got 2"),
+    (dict(readback_lag=9), r"readback_lag must be an int in \[0, 8\], got 9"),
+    (dict(graphs="all"), r"graphs must be one of \('off', 'xla-default', 'full'\), got 'all'"),
 ])
 def test_bad_engine_options(options, match):
   with pytest.raises(ValueError, match=match):
@@ -285,19 +281,11 @@ def test_padded_matmul_rows_give_the_same_tokens(engine):
   assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[], device_loop=True) == expected
 
 
-def test_fused_pallas_projections_give_the_same_tokens(engine):
-  """linear="pallas" (fused norm/matmul/epilogue kernels, interpreted on CPU) in the host loop
-  and the device loop gives the XLA projections' greedy tokens."""
-  prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-  expected = engine.generate(prompts, max_new_tokens=8, eos_token_id=[])
-  fused = engine.with_options(linear="pallas")
-  assert fused.stats()["linear"] == "pallas"
-  assert fused.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
-  assert fused.generate(prompts, max_new_tokens=8, eos_token_id=[], device_loop=True) == expected
-
-
-def test_fused_pallas_projections_need_aligned_widths():
-  config = dataclasses.replace(preset("tiny-llama"), intermediate_size=150)
-  with pytest.raises(ValueError, match=r"linear='pallas' needs multiples of 16; got "
-                                       r"\{'intermediate_size': 150\}"):
-    Engine(config, linear="pallas")
+@pytest.mark.parametrize("options, match", [
+    (dict(linear="pallas"), r"Engine\(\) got unexpected keyword argument\(s\): 'linear'"),
+    (dict(max_model_len=64), r"'max_model_len' \(use max_seq_len\)"),
+    (dict(torch_dtype="bfloat16"), r"'torch_dtype' \(use dtype\)"),
+])
+def test_unknown_engine_options_are_named(options, match):
+  with pytest.raises(TypeError, match=match):
+    Engine(preset("tiny-gpt2"), **options)

@@ -18,7 +18,7 @@ def test_greedy_tokens_identical_across_modes_and_layer_loops(model):
   for layer_loop in ("scan", "unroll"):
     for mode in GRAPH_MODES:
       engine = base.with_options(graphs=mode, layer_loop=layer_loop)
-      assert engine.stats()["compiler_options"] == GRAPH_MODES[mode]
+      assert engine.stats()["xla_options"] == GRAPH_MODES[mode]
       for device_loop in (False, True):
         assert engine.generate(prompts, max_new_tokens=10, eos_token_id=[],
                                device_loop=device_loop) == reference, (layer_loop, mode)
@@ -33,7 +33,7 @@ def test_graph_mode_options():
     compiler_options("fast")
   # Extra options survive a change of graph mode in with_options.
   engine = Engine.from_pretrained("tiny-gpt2", compiler_options={"xla_gpu_graph_min_graph_size": 3})
-  assert engine.with_options(graphs="off").stats()["compiler_options"] == {
+  assert engine.with_options(graphs="off").stats()["xla_options"] == {
       "xla_gpu_enable_command_buffer": "", "xla_gpu_graph_min_graph_size": 3}
   with pytest.raises(ValueError, match="layer_loop must be one of"):
     Engine.from_pretrained("tiny-gpt2", layer_loop="vectorised")

@@ -62,7 +62,7 @@ def test_swap_out_and_in_mid_stream_continues_identically(engine):
     if index == 5:
       engine.swap_out()
       assert engine.kv_cache_memory_kind == "pinned_host"
-      assert engine._cache is None  # device copy released
+      assert not engine.kv_cache.on_device  # device copy released
       engine.swap_in()
       assert engine.kv_cache_memory_kind == "device"
   assert collected == list(expected)

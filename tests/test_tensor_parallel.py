@@ -49,20 +49,20 @@ def test_shard_major_layout_groups_each_devices_heads():
   assert to_shard_major(config, weights, 1)["qkv_kernel"] is weights["qkv_kernel"]
 
 
-@pytest.mark.parametrize("value, linear, match", [
-    (0, "xla", r"tensor_parallel must be an int in \[1, 1\]"),
-    (2, "xla", r"tensor_parallel must be an int in \[1, 1\] \(the devices here\), got 2"),
-    (True, "xla", "tensor_parallel must be an int"),
-    (1.0, "xla", "tensor_parallel must be an int"),
+@pytest.mark.parametrize("value, match", [
+    (0, r"tensor_parallel must be an int in \[1, 1\]"),
+    (2, r"tensor_parallel must be an int in \[1, 1\] \(the devices here\), got 2"),
+    (True, "tensor_parallel must be an int"),
+    (1.0, "tensor_parallel must be an int"),
 ])
-def test_bad_tensor_parallel_raises(value, linear, match):
+def test_bad_tensor_parallel_raises(value, match):
   with pytest.raises(ValueError, match=match):
-    check_tensor_parallel(PRESETS["tiny-gpt2"], value, linear)
+    check_tensor_parallel(PRESETS["tiny-gpt2"], value)
   with pytest.raises(ValueError, match=match):
     Engine.from_pretrained("tiny-gpt2", tensor_parallel=value)
 
 
-def test_tensor_parallel_must_divide_heads_and_use_xla_projections(monkeypatch):
+def test_tensor_parallel_must_divide_heads(monkeypatch):
   import jax
 
   monkeypatch.setattr(jax, "devices", lambda *a: [object()] * 8)
@@ -70,6 +70,4 @@ def test_tensor_parallel_must_divide_heads_and_use_xla_projections(monkeypatch):
     check_tensor_parallel(PRESETS["tiny-gpt2"], 3)
   with pytest.raises(ValueError, match=r"must divide \{'num_kv_heads': 2\}"):
     check_tensor_parallel(PRESETS["tiny-llama"], 4)
-  with pytest.raises(ValueError, match="needs linear='xla'"):
-    check_tensor_parallel(PRESETS["tiny-gpt2"], 2, "pallas")
   check_tensor_parallel(PRESETS["tiny-gpt2"], 4)

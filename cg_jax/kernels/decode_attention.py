@@ -6,7 +6,7 @@ cache along the key axis:
 
   1. The cache is cut into splits of `split_size` keys. One Triton program runs per
      (batch row, KV head, split). It holds every query head of its KV group (GQA) as the rows of
-     one [group, D] tile, so each key/value block it loads serves the whole group, and it walks its
+     one [group, H] tile, so each key/value block it loads serves the whole group, and it walks its
      split in blocks of `block_k` keys with an online softmax: a running max m, a running
      denominator l and an unnormalised float32 accumulator. The trip count is dynamic: a program
      reads only the blocks that hold keys below `lengths[b]`, and a split that lies entirely past
@@ -14,14 +14,13 @@ cache along the key axis:
      `DecodeAttentionConfig.length_splits` the same programs share each row's valid keys instead
      (whole blocks each, found from `lengths[b]`), so a short row in a long cache is still
      spread over its programs.
-  2. The per-split partials are combined (`cg_jax.kernels.split_combine`: in plain jnp, or with
-     `DecodeAttentionConfig.combine="pallas"` as one kernel): the max over splits, each split
-     rescaled by exp(m_split - m_max), summed, and divided by the summed denominator. A row with
+  2. The per-split partials are combined in plain jnp (`combine_splits`, which XLA fuses): the
+     max over splits, each split rescaled by exp(m_split - m_max), summed, and divided by the summed denominator. A row with
      no valid key (length 0) gets zeros, never NaN. When the cache fits one split, the kernel
      normalises and writes the result itself: one kernel, no combine.
 
 Triton dots need every dimension >= 16 and power-of-two shapes, so the kernel handles the query
-group as max(16, next_pow2(Hq // Hkv)) rows through masked loads and stores (the extra rows read as
+group as max(16, next_pow2(N // K)) rows through masked loads and stores (the extra rows read as
 zeros and are never written; nothing is padded outside the kernel). Cache rows past the length
 (and past T, where T is not a multiple of the split) are never loaded: every key/value load is
 masked, so the cache is not copied or padded.
@@ -48,7 +47,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
-from cg_jax.kernels.split_combine import split_combine, split_combine_reference
 
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -65,13 +63,10 @@ class DecodeAttentionConfig:
       is halved (down to block_k) until it does not: a few long programs leave most SMs idle
       and each walks its keys at load latency. Programs past a row's length exit at once, and
       an SM holds many programs, so the count is sized for the whole cache T (of which often
-      only part is valid): in the gpt2 B=1 decode step on the H200, 24 programs took 11.4 us
-      per layer and 192 took 3.0 us; at B=8 96 programs with keys (of 192) still took 11 us.
-      A launch at the full `split_size` needs twice this many: a row whose valid keys end
-      mid-cache then leaves half its programs idle. At B=32 (cache 1024, 513 valid keys), 256
-      keys per split against 512 took 21.7 against 24.5 us per layer in gpt2 (1536 against 768
-      programs) and 16.7 against 19.6 in llama-3.2-1b (1024 against 512), while gpt2-large
-      (1280 programs at 512) and a 4096-long llama cache (2048) were slower per step at 256.
+      only part is valid). A launch at the full `split_size` needs twice this many: a row whose
+      valid keys end mid-cache then leaves half its programs idle. The defaults are the fastest
+      measured decode steps (benchmarks/results/attention_step_h200.md,
+      benchmarks/results/graphs_split_h200.md).
       0 keeps `split_size`.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages.
@@ -79,8 +74,6 @@ class DecodeAttentionConfig:
       valid keys are shared among them (whole blocks of block_k keys each), so that no program
       of a row with keys idles however short the row is against T; False splits the whole cache
       T into fixed windows of split_size keys.
-    combine: how several splits' partials are merged: "xla" (`split_combine_reference`, two XLA
-      kernels) or "pallas" (`split_combine`, one kernel).
   """
 
   block_k: int = 64
@@ -89,7 +82,6 @@ class DecodeAttentionConfig:
   num_warps: int = 4
   num_stages: int = 2
   length_splits: bool = False
-  combine: str = "xla"
 
   def __post_init__(self):
     for name in ("block_k", "split_size", "num_warps"):
@@ -112,9 +104,6 @@ class DecodeAttentionConfig:
     if not isinstance(self.length_splits, bool):
       raise ValueError(f"DecodeAttentionConfig.length_splits must be a bool, "
                        f"got {self.length_splits!r}")
-    if self.combine not in ("xla", "pallas"):
-      raise ValueError(f"DecodeAttentionConfig.combine must be 'xla' or 'pallas', "
-                       f"got {self.combine!r}")
 
 
 def _check_shapes(q, k_cache, v_cache, lengths) -> None:
@@ -122,9 +111,9 @@ def _check_shapes(q, k_cache, v_cache, lengths) -> None:
   shapes = (f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
             f"v_cache {tuple(v_cache.shape)}, lengths {tuple(lengths.shape)}")
   if q.ndim != 3:
-    raise ValueError(f"q must be [B, Hq, D]; got {shapes}")
+    raise ValueError(f"q must be [B, N, H]; got {shapes}")
   if k_cache.ndim != 4:
-    raise ValueError(f"k_cache must be [B, T, Hkv, D]; got {shapes}")
+    raise ValueError(f"k_cache must be [B, T, K, H]; got {shapes}")
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache must have the shape of k_cache; got {shapes}")
   batch, num_q_heads, head_dim = q.shape
@@ -146,43 +135,26 @@ def _check_shapes(q, k_cache, v_cache, lengths) -> None:
                      f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
 
 
-def _rotate_half(x):
-  """[M, D] float32 -> concat(-x[:, D/2:], x[:, :D/2]) (RoPE's rotate-half), as a product with a
-  signed permutation: Triton has no lane shuffle. Exact: each output is one input times +-1."""
-  head_dim = x.shape[-1]
-  half = head_dim // 2
-  # [D, D]: out[:, j] = -x[:, j + D/2] for j < D/2, x[:, j - D/2] for j >= D/2
-  rows, cols = jnp.arange(head_dim)[:, None], jnp.arange(head_dim)[None, :]
-  permutation = ((rows == cols - half).astype(jnp.float32)
-                 - (rows == cols + half).astype(jnp.float32))
-  return lax.dot_general(x, permutation, (((1,), (0,)), ((), ())),
-                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
-
 def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
                              block_k: int, split_size: int, num_splits: int, padded_group: int,
-                             writes_new: bool, length_splits: bool, rotates: bool):
+                             writes_new: bool, length_splits: bool):
   """One (batch row, KV head, split) program.
 
-  With `writes_new`, refs start with k_new_ref, v_new_ref [D] (the new token's key and value,
+  With `writes_new`, refs start with k_new_ref, v_new_ref [H] (the new token's key and value,
   at position length - 1) and end with the aliased cache outputs k_out_ref, v_out_ref
-  [split_size, D]: the cache supplies keys below length - 1, the new key is attended from its
-  input, and the program whose split holds position length - 1 stores it there. With `rotates`
-  (and `writes_new`), cos_ref, sin_ref [D] float32 follow them: the query and the new key are
-  rotated here (RoPE, rotate-half) before use; the cache already holds rotated keys.
+  [split_size, H]: the cache supplies keys below length - 1, the new key is attended from its
+  input, and the program whose split holds position length - 1 stores it there.
 
-  Refs: lengths_ref [] int32; q_ref [G, D]; k_ref, v_ref [split_size, D] (this split's window of
+  Refs: lengths_ref [] int32; q_ref [G, H]; k_ref, v_ref [split_size, H] (this split's window of
   the cache, possibly reaching past T: rows at or past the length are never loaded; with
   `length_splits`, the whole cache rounded up to a power of two, this split's keys found from
   the length). Outputs:
-  with one split, out_ref [G, D] (the normalised result in q's dtype); with several, the
-  partials acc_ref [G, D] f32 and max_ref, denom_ref [G] f32 for `split_combine`. The G query
+  with one split, out_ref [G, H] (the normalised result in q's dtype); with several, the
+  partials acc_ref [G, H] f32 and max_ref, denom_ref [G] f32 for `combine_splits`. The G query
   rows are handled as `padded_group` (>= 16 for Triton dots) through masked loads and stores.
   """
   if writes_new:
     k_new_ref, v_new_ref, *refs = refs
-    if rotates:
-      cos_ref, sin_ref, *refs = refs
     *out_refs, k_out_ref, v_out_ref = refs
   else:
     out_refs = refs
@@ -211,13 +183,8 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   keys_left = jnp.maximum(length - split_start, 0)
   num_blocks = jnp.minimum((keys_left + block_k - 1) // block_k, split_keys // block_k)
 
-  # [G_pad, D]; rows past G read as zeros and are never stored.
+  # [G_pad, H]; rows past G read as zeros and are never stored.
   query = pltriton.load(q_ref.at[pl.ds(0, padded_group), :], mask=real_rows[:, None], other=0.0)
-  if rotates:
-    # [D] each; rounded back to q's dtype as the XLA rotation would be
-    cos, sin = cos_ref[...], sin_ref[...]
-    query32 = query.astype(jnp.float32)
-    query = (query32 * cos[None, :] + _rotate_half(query32) * sin[None, :]).astype(query.dtype)
 
   def attend_block(block_index, carry):
     acc, row_max, denom = carry
@@ -226,12 +193,12 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
     window_row = block_start - window_start
     # [block_k]
     key_valid = block_start + jnp.arange(block_k) < length
-    # [block_k, D]; rows past the length are not read (they may lie past the end of the cache).
+    # [block_k, H]; rows past the length are not read (they may lie past the end of the cache).
     keys = pltriton.load(k_ref.at[pl.ds(window_row, block_k), :], mask=key_valid[:, None],
                          other=0.0)
     values = pltriton.load(v_ref.at[pl.ds(window_row, block_k), :], mask=key_valid[:, None],
                            other=0.0)
-    # [G, block_k] = query [G, D] . keys [block_k, D]^T; HIGHEST keeps float32 off TF32.
+    # [G, block_k] = query [G, H] . keys [block_k, H]^T; HIGHEST keeps float32 off TF32.
     scores = lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
                              precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32) * sm_scale
@@ -243,7 +210,7 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
     # [G, block_k]
     probs = jnp.exp(scores - new_max[:, None])
     denom = denom * rescale + jnp.sum(probs, axis=1)
-    # [G, D] = probs [G, block_k] . values [block_k, D]
+    # [G, H] = probs [G, block_k] . values [block_k, H]
     block_out = lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
                                 precision=lax.Precision.HIGHEST,
                                 preferred_element_type=jnp.float32)
@@ -256,14 +223,8 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   acc, row_max, denom = lax.fori_loop(0, num_blocks, attend_block, initial)
   if writes_new:
     # The new key and value: attended from the inputs, stored into the cache by their owner.
-    # [D]
+    # [H]
     key, value = k_new_ref[...], v_new_ref[...]
-    if rotates:
-      # [MIN_DOT_DIM, D]: the key repeated (a dot needs >= 16 rows), rotated, row 0 kept
-      tile = jnp.broadcast_to(key.astype(jnp.float32)[None, :], (MIN_DOT_DIM, head_dim))
-      first = (jnp.arange(MIN_DOT_DIM) == 0)[:, None]
-      rotated = jnp.sum(jnp.where(first, _rotate_half(tile), 0.0), axis=0)
-      key = (key.astype(jnp.float32) * cos + rotated * sin).astype(key.dtype)
     # [G]
     score = jnp.sum(query.astype(jnp.float32) * key.astype(jnp.float32)[None, :], axis=1) * sm_scale
     score = jnp.where(owns_new, score, -jnp.inf)
@@ -289,6 +250,28 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   pltriton.store(acc_ref.at[rows, :], acc, mask=real_rows[:, None])
   pltriton.store(max_ref.at[rows], row_max, mask=real_rows)
   pltriton.store(denom_ref.at[rows], denom, mask=real_rows)
+
+
+def combine_splits(split_acc, split_max, split_denom):
+  """Merges per-split online-softmax partials into normalised outputs (plain jnp).
+
+  Args:
+    split_acc: float32 [..., splits, G, H] unnormalised sums of exp(score - split_max) * v.
+    split_max: float32 [..., splits, G] running maxima (-inf for a split with no valid key).
+    split_denom: float32 [..., splits, G] sums of exp(score - split_max) (0 for an empty split).
+  Returns:
+    float32 [..., G, H]; zeros where no split saw a valid key.
+  """
+  # [..., G]: a row with no valid key anywhere has max -inf; use 0 so exp(-inf - 0) = 0, not NaN.
+  global_max = jnp.max(split_max, axis=-2)
+  global_max = jnp.where(jnp.isfinite(global_max), global_max, 0.0)
+  # [..., splits, G]
+  split_weight = jnp.exp(split_max - global_max[..., None, :])
+  # [..., G]
+  denom = jnp.sum(split_denom * split_weight, axis=-2)
+  # [..., G, H]
+  acc = jnp.sum(split_acc * split_weight[..., None], axis=-3)
+  return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def split_layout(batch: int, num_kv_heads: int, cache_len: int,
@@ -320,57 +303,23 @@ def decode_attention_with_write(q, k_new, v_new, k_cache, v_cache, lengths, *, l
                                 interpret: bool = False):
   """The decode step's cache write and attention in one kernel.
 
-  Writes k_new, v_new [B, Hkv, D] (the new token's key and value) into the stacked caches
-  [L, B', T, Hkv, D] at (layer, b, lengths[b] - 1) in place (the caches are donated and aliased
+  Writes k_new, v_new [B, K, H] (the new token's key and value) into the stacked caches
+  [L, B', T, K, H] at (layer, b, lengths[b] - 1) in place (the caches are donated and aliased
   to the outputs) and attends q over keys 0..lengths[b] - 1, the last one being the new key.
   Replaces `cache.at[layer, rows, lengths - 1].set(...)` followed by `decode_attention`, which
   costs two scatter kernels per layer. lengths[b] >= 1 for real rows; a row with length 0 is
   neither written nor attended (zeros).
 
   Returns:
-    (out [B, Hq, D] in q's dtype, k_cache, v_cache).
+    (out [B, N, H] in q's dtype, k_cache, v_cache).
   """
   batch, num_kv_heads, head_dim = q.shape[0], k_cache.shape[-2], k_cache.shape[-1]
   if k_new.shape != (batch, num_kv_heads, head_dim) or v_new.shape != k_new.shape:
-    raise ValueError(f"k_new and v_new must be [B, Hkv, D] = {(batch, num_kv_heads, head_dim)}; "
+    raise ValueError(f"k_new and v_new must be [B, K, H] = {(batch, num_kv_heads, head_dim)}; "
                      f"got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
   return _decode_attention(q, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
                            config=config, interpret=interpret,
                            new=(k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)))
-
-
-@functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"),
-                   donate_argnames=("k_cache", "v_cache"))
-def decode_attention_with_write_qkv(qkv, k_cache, v_cache, lengths, rope=None, *, layer: int,
-                                    sm_scale: float | None = None,
-                                    config: DecodeAttentionConfig = DecodeAttentionConfig(),
-                                    interpret: bool = False):
-  """`decode_attention_with_write` fed by the fused QKV projection's output, unsliced.
-
-  Args:
-    qkv: [B, Hq + 2 Hkv, D] in the cache's dtype: each row's query heads, then its new keys, then
-      its new values (Hkv from the cache). The kernel's blocks read each part in place, so no
-      slice is materialised.
-    rope: None, or (cos, sin) float32 [B, D] at the rows' new positions (rotate-half RoPE, the
-      angles repeated over both halves): the kernel rotates the query and the new key itself,
-      and the cache receives the rotated key.
-  Returns:
-    (out [B, Hq, D], k_cache, v_cache) as `decode_attention_with_write`.
-  """
-  num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-  if qkv.ndim != 3 or qkv.shape[1] <= 2 * num_kv_heads or qkv.shape[2] != head_dim:
-    raise ValueError(f"qkv must be [B, Hq + 2 * {num_kv_heads}, {head_dim}] with Hq >= 1; got "
-                     f"{tuple(qkv.shape)}")
-  if rope is not None:
-    cos, sin = rope
-    if cos.shape != (qkv.shape[0], head_dim) or sin.shape != cos.shape:
-      raise ValueError(f"rope (cos, sin) must be [B, D] = {(qkv.shape[0], head_dim)}; got "
-                       f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    if head_dim % 2:
-      raise ValueError(f"rope needs an even head_dim, got {head_dim}")
-    rope = (cos.astype(jnp.float32), sin.astype(jnp.float32))
-  return _decode_attention(qkv, k_cache, v_cache, lengths, layer=layer, sm_scale=sm_scale,
-                           config=config, interpret=interpret, new="in_qkv", rope=rope)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "sm_scale", "config", "interpret"))
@@ -381,19 +330,19 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
   """Single-token attention over a right-padded KV cache with a split-K Pallas/Triton kernel.
 
   Args:
-    q: [B, Hq, D] queries of the new token, float32 or bfloat16.
-    k_cache, v_cache: [B, T, Hkv, D] caches in q's dtype; Hq must be a multiple of Hkv (GQA/MQA).
-      D must be a power of two >= 16 (Triton). With `layer`, the whole stacked cache
-      [L, B', T, Hkv, D] (B' >= B): the kernel reads rows [0, B) of that layer in place, so no
+    q: [B, N, H] queries of the new token, float32 or bfloat16.
+    k_cache, v_cache: [B, T, K, H] caches in q's dtype; N must be a multiple of K (GQA/MQA).
+      H must be a power of two >= 16 (Triton). With `layer`, the whole stacked cache
+      [L, B', T, K, H] (B' >= B): the kernel reads rows [0, B) of that layer in place, so no
       per-layer slice is materialised.
-    layer: static layer index into a stacked cache, or None for a [B, T, Hkv, D] cache.
+    layer: static layer index into a stacked cache, or None for a [B, T, K, H] cache.
     lengths: int [B] valid cache entries per row (keys 0..lengths[b]-1 attend); 0 is allowed and
       gives zeros. Values are clamped to [0, T].
-    sm_scale: softmax scale, 1/sqrt(D) when None.
+    sm_scale: softmax scale, 1/sqrt(H) when None.
     config: block sizes and launch settings.
     interpret: run the kernel in the Pallas interpreter (CPU tests).
   Returns:
-    [B, Hq, D] in q's dtype.
+    [B, N, H] in q's dtype.
   Raises:
     ValueError: inconsistent shapes or dtypes, or a dtype/head_dim the kernel does not support.
   """
@@ -401,26 +350,19 @@ def decode_attention(q, k_cache, v_cache, lengths, *, layer: int | None = None,
                            config=config, interpret=interpret, new=None)
 
 
-def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, interpret, new,
-                      rope=None):
-  """decode_attention; with `new` = (k_new, v_new) decode_attention_with_write; with `new` =
-  "in_qkv" (q is then [B, Hq + 2 Hkv, D]) decode_attention_with_write_qkv, rotating by `rope`."""
-  qkv = None
-  if isinstance(new, str):
-    # The query heads' view of qkv, for the checks and sizes below.
-    qkv, num_new = q, 2 * k_cache.shape[-2]
-    q = jax.ShapeDtypeStruct((qkv.shape[0], qkv.shape[1] - num_new, qkv.shape[2]), qkv.dtype)
+def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, interpret, new):
+  """decode_attention; with `new` = (k_new, v_new), decode_attention_with_write."""
   batch = q.shape[0] if q.ndim == 3 else None
   if layer is not None:
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
-      raise ValueError(f"with layer, k_cache and v_cache must be [L, B', T, Hkv, D]; got "
+      raise ValueError(f"with layer, k_cache and v_cache must be [L, B', T, K, H]; got "
                        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if not 0 <= layer < k_cache.shape[0]:
       raise ValueError(f"layer must be in [0, {k_cache.shape[0]}), got {layer}")
     if batch is None or k_cache.shape[1] < batch:
       raise ValueError(f"k_cache rows ({k_cache.shape[1]}) must cover q's batch; got q "
                        f"{tuple(q.shape)}")
-    # Check the layer's [B, T, Hkv, D] view without slicing it.
+    # Check the layer's [B, T, K, H] view without slicing it.
     view = jax.ShapeDtypeStruct((batch,) + k_cache.shape[2:], k_cache.dtype)
     _check_shapes(q, view, jax.ShapeDtypeStruct(view.shape, v_cache.dtype), lengths)
   else:
@@ -445,7 +387,7 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
   kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
                              split_size=split_size, num_splits=num_splits,
                              padded_group=padded_group, writes_new=new is not None,
-                             length_splits=config.length_splits, rotates=rope is not None)
+                             length_splits=config.length_splits)
   squeezed = pl.squeezed
   # Keys per program's cache window: its split, or (length_splits) the whole cache.
   window = pl.next_power_of_2(cache_len) if config.length_splits else split_size
@@ -457,11 +399,11 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
     cache_spec = pl.BlockSpec((squeezed, squeezed, window, squeezed, head_dim),
                               lambda b, h, s: (layer, b, window_index(s), h, 0))
   if num_splits == 1:
-    # One kernel, no combine: [B, Hkv, G, D] in q's dtype.
+    # One kernel, no combine: [B, K, G, H] in q's dtype.
     out_specs = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
     out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), q.dtype)
   else:
-    # Per-split partials, merged by `split_combine` (or its jnp reference).
+    # Per-split partials, merged by `combine_splits`.
     out_specs = [
         pl.BlockSpec((squeezed, squeezed, squeezed, group, head_dim),
                      lambda b, h, s: (b, h, s, 0, 0)),
@@ -474,33 +416,16 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
         jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group), jnp.float32),
     ]
   lengths_spec = pl.BlockSpec((squeezed,), lambda b, h, s: (b,))
-  if qkv is None:
-    # [B, Hkv, G, D] (a free reshape: the kernel pads G to G_pad with masked loads)
-    q_operand = q.reshape(batch, num_kv_heads, group, head_dim)
-    q_spec = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
-  else:
-    # KV head h's query heads are qkv rows [h G, (h + 1) G): block h of G rows.
-    q_operand = qkv
-    q_spec = pl.BlockSpec((squeezed, group, head_dim), lambda b, h, s: (b, h, 0))
+  # [B, K, G, H] (a free reshape: the kernel pads G to G_pad with masked loads)
+  q_operand = q.reshape(batch, num_kv_heads, group, head_dim)
+  q_spec = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
   in_specs = [lengths_spec, q_spec, cache_spec, cache_spec]
   operands = [lengths, q_operand, k_cache, v_cache]
   aliases = {}
   if new is not None:
-    # k_new, v_new [B, Hkv, D] (or qkv's heads Hq + h and Hq + Hkv + h); the caches come back as
-    # outputs aliased to inputs 2 and 3.
-    if qkv is None:
-      in_specs += [pl.BlockSpec((squeezed, squeezed, head_dim), lambda b, h, s: (b, h, 0))] * 2
-      operands += list(new)
-    else:
-      in_specs += [
-          pl.BlockSpec((squeezed, squeezed, head_dim),
-                       lambda b, h, s: (b, num_q_heads + h, 0)),
-          pl.BlockSpec((squeezed, squeezed, head_dim),
-                       lambda b, h, s: (b, num_q_heads + num_kv_heads + h, 0))]
-      operands += [qkv, qkv]
-    if rope is not None:
-      in_specs += [pl.BlockSpec((squeezed, head_dim), lambda b, h, s: (b, 0))] * 2
-      operands += list(rope)
+    # k_new, v_new [B, K, H]; the caches come back as outputs aliased to inputs 2 and 3.
+    in_specs += [pl.BlockSpec((squeezed, squeezed, head_dim), lambda b, h, s: (b, h, 0))] * 2
+    operands += list(new)
     out_specs = (out_specs if isinstance(out_specs, list) else [out_specs]) + [cache_spec] * 2
     out_shape = (out_shape if isinstance(out_shape, list) else [out_shape]) + [
         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
@@ -524,13 +449,8 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
     caches = (k_cache, v_cache)
     result = result[0] if num_splits == 1 else result
 
-  # [B, Hkv, G, D] -> [B, Hq, D]
-  if num_splits == 1:
-    out = result
-  elif config.combine == "pallas":
-    out = split_combine(*result, out_dtype=q.dtype, interpret=interpret)
-  else:
-    out = split_combine_reference(*result)
+  # [B, K, G, H] -> [B, N, H]
+  out = result if num_splits == 1 else combine_splits(*result)
   out = out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
   return out if caches is None else (out, *caches)
 
@@ -547,21 +467,21 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale: float 
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
   group = num_q_heads // num_kv_heads
-  # [B, Hkv, G, D]
+  # [B, K, G, H]
   grouped_q = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
-  # [B, Hkv, G, T]
+  # [B, K, G, T]
   scores = jnp.einsum("bhgd,bthd->bhgt", grouped_q, k_cache.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST) * sm_scale
   # [B, 1, 1, T]
   key_valid = (jnp.arange(cache_len)[None, :] < lengths.astype(jnp.int32)[:, None])[:, None, None]
   scores = jnp.where(key_valid, scores, -jnp.inf)
-  # [B, Hkv, G, 1]; rows with no valid key get max 0 and all-zero weights.
+  # [B, K, G, 1]; rows with no valid key get max 0 and all-zero weights.
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   weights = jnp.exp(scores - row_max)
   denom = jnp.sum(weights, axis=-1, keepdims=True)
   probs = weights / jnp.where(denom > 0, denom, 1.0)
-  # [B, Hkv, G, D]
+  # [B, K, G, H]
   out = jnp.einsum("bhgt,bthd->bhgd", probs, v_cache.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -43,13 +43,13 @@ class FlashAttentionConfig:
 
 def _kernel(length_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causal: bool,
             block_q: int, block_k: int):
-  """q_ref, o_ref: [block_q, D]; k_ref, v_ref: [S_padded, D]; length_ref: [] int32."""
+  """q_ref, o_ref: [block_q, H]; k_ref, v_ref: [S_padded, H]; length_ref: [] int32."""
   length = length_ref[()]
   q_block = pl.program_id(1)
   head_dim = q_ref.shape[-1]
   # float32 inputs get true float32 dots (Triton would otherwise use TF32).
   precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
-  # [block_q, D]
+  # [block_q, H]
   q = q_ref[...]
   q_positions = q_block * block_q + jnp.arange(block_q)
   visible = length
@@ -60,7 +60,7 @@ def _kernel(length_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causal: 
   def body(block, carry):
     running_max, denominator, accumulator = carry
     keys = pl.ds(block * block_k, block_k)
-    # [block_k, D]
+    # [block_k, H]
     k = k_ref[keys, :]
     v = v_ref[keys, :]
     # [block_q, block_k], float32
@@ -90,7 +90,7 @@ def _kernel(length_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causal: 
 
 def _check_shapes(q, k, v, lengths):
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"q, k, v must be [B, S, H, D]; got {q.shape}, {k.shape}, {v.shape}")
+    raise ValueError(f"q, k, v must be [B, S, heads, H]; got {q.shape}, {k.shape}, {v.shape}")
   if k.shape != v.shape:
     raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
   batch, seq, num_heads, head_dim = q.shape
@@ -109,14 +109,14 @@ def flash_attention(q, k, v, lengths, *, causal: bool = True, sm_scale: float | 
   """Fused attention over right-padded sequences.
 
   Args:
-    q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq a multiple of Hkv; lengths: int32 [B],
+    q: [B, S, N, H]; k, v: [B, S, K, H] with N a multiple of K; lengths: int32 [B],
       valid tokens per row (keys at or past it are ignored; 0 gives zeros).
     causal: mask future keys.
-    sm_scale: score scale, default 1/sqrt(D).
+    sm_scale: score scale, default 1/sqrt(H).
     config: block sizes and launch settings.
     interpret: run the kernel in the Pallas interpreter (CPU tests).
   Returns:
-    [B, S, Hq, D] in q.dtype.
+    [B, S, N, H] in q.dtype.
   """
   _check_shapes(q, k, v, lengths)
   batch, seq, num_heads, head_dim = q.shape
@@ -128,7 +128,7 @@ def flash_attention(q, k, v, lengths, *, causal: bool = True, sm_scale: float | 
   pad = ((0, padded - seq), (0, 0), (0, 0))
 
   def one_sequence(q, k, v, length):
-    # q [S, Hq, D], k/v [S, Hkv, D] -> [S, Hq, D], padded along S to whole blocks.
+    # q [S, N, H], k/v [S, K, H] -> [S, N, H], padded along S to whole blocks.
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     kernel = functools.partial(_kernel, sm_scale=sm_scale, causal=causal, block_q=block_q,
                                block_k=block_k)
@@ -165,17 +165,17 @@ def flash_attention_reference(q, k, v, lengths, *, causal: bool = True,
   mask = jnp.broadcast_to(positions[None, None, :] < lengths[:, None, None], (batch, seq, seq))
   if causal:
     mask = mask & (positions[None, :, None] >= positions[None, None, :])
-  # [B, S, K, G, D]
+  # [B, S, K, G, H]
   grouped = q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   # [B, K, G, S, S]
-  scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, precision=precision,
+  scores = jnp.einsum("btkgh,bskh->bkgts", grouped, k, precision=precision,
                       preferred_element_type=jnp.float32) * sm_scale
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   total = jnp.sum(weights, axis=-1, keepdims=True)
   probs = weights / jnp.where(total == 0.0, 1.0, total)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, precision=precision,
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, precision=precision,
                    preferred_element_type=jnp.float32)
   return out.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_with_write,
-                                             decode_attention_with_write_qkv,
                                              decode_attention_reference, split_layout)
 from tests.kernels.kernel_test_base import (assert_kernel_close, attention_reference,
                                             lower_for_h200, random_array)
@@ -104,17 +103,6 @@ def test_kernel_matches_float64_reference(case, length_splits):
   for row, length in enumerate(case.lengths):
     if length == 0:
       assert np.all(np.asarray(out[row], np.float32) == 0.0)
-
-
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[8]], ids=str)
-def test_pallas_combine_matches_float64_reference(case):
-  """Several splits merged by the split-combine kernel instead of XLA."""
-  case = dataclasses.replace(case, config=dataclasses.replace(case.config, combine="pallas"))
-  inputs = make_inputs(case, seed=3)
-  out = run_kernel(case, *inputs)
-  assert out.dtype == jnp.dtype(case.dtype)
-  assert_kernel_close(out, float64_reference(*inputs, sm_scale=case.sm_scale), case.dtype,
-                      what=f"decode_attention[{case}, pallas combine]")
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]], ids=str)
@@ -220,7 +208,6 @@ def test_split_layout_spreads_small_launches(batch, kv_heads, cache_len, expecte
     (dict(num_stages=0), "num_stages"),
     (dict(min_programs=-1), "min_programs"),
     (dict(length_splits=1), "length_splits"),
-    (dict(combine="triton"), "combine"),
 ])
 def test_config_validation(fields, name):
   with pytest.raises(ValueError, match=name):
@@ -255,10 +242,8 @@ def test_stacked_cache_with_layer_reads_that_layer_in_place(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("config", [SMALL_BLOCKS, DecodeAttentionConfig(min_programs=0),
                                     DecodeAttentionConfig(block_k=16, split_size=16),
-                                    dataclasses.replace(SMALL_BLOCKS, length_splits=True),
-                                    dataclasses.replace(SMALL_BLOCKS, combine="pallas")],
-                         ids=["splits32", "one-split", "splits16", "length-splits",
-                              "pallas-combine"])
+                                    dataclasses.replace(SMALL_BLOCKS, length_splits=True)],
+                         ids=["splits32", "one-split", "splits16", "length-splits"])
 def test_write_and_attend_matches_scatter_then_float64_attention(dtype, config):
   """decode_attention_with_write stores each row's new key/value at (layer, b, length - 1) and
   attends to it: the caches equal the scatter's exactly (rows past the batch, other layers and
@@ -295,77 +280,4 @@ def test_write_and_attend_matches_scatter_then_float64_attention(dtype, config):
       lambda *a: decode_attention_with_write(*a, layer=2, config=config),
       *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k_new, v_new, k_cache, v_cache,
                                                           lengths)))
-  assert "triton" in text.lower()
-
-
-def _rotate_half_float64(x, cos, sin):
-  """Rotate-half RoPE in float64: x [..., D]; cos, sin broadcastable to x."""
-  half = x.shape[-1] // 2
-  return x * cos + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rotates", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("config", [SMALL_BLOCKS, dataclasses.replace(SMALL_BLOCKS,
-                                                                      length_splits=True)],
-                         ids=["fixed-splits", "length-splits"])
-def test_write_from_qkv_matches_float64(dtype, rotates, config):
-  """decode_attention_with_write_qkv reads the query heads, new keys and new values from one
-  unsliced [B, Hq + 2 Hkv, D] array (GQA group 3), rotates the query and new key when given
-  (cos, sin): the cache gets the (rotated) new key and value exactly as rounded to its dtype,
-  and the output matches float64 attention over it."""
-  rng = np.random.default_rng(21)
-  layers, rows, cache_len, kv_heads, group, head_dim = 2, 3, 100, 2, 3, 64
-  batch, heads = 3, kv_heads * group
-  lengths = np.asarray([1, cache_len, 40])
-  qkv = random_array(rng, (batch, heads + 2 * kv_heads, head_dim), dtype)
-  k_cache = random_array(rng, (layers, rows, cache_len, kv_heads, head_dim), dtype)
-  v_cache = random_array(rng, (layers, rows, cache_len, kv_heads, head_dim), dtype)
-  qkv64 = np.asarray(qkv, np.float64)
-  q, k_new, v_new = (qkv64[:, :heads], qkv64[:, heads:heads + kv_heads],
-                     qkv64[:, heads + kv_heads:])
-  rope = None
-  if rotates:
-    inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
-    # [B, D]
-    angles = np.concatenate([np.outer(lengths - 1, inv_freq)] * 2, axis=-1)
-    cos, sin = np.cos(angles), np.sin(angles)
-    rope = (jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32))
-    q = _rotate_half_float64(q, cos[:, None], sin[:, None])
-    k_new = _rotate_half_float64(k_new, cos[:, None], sin[:, None])
-  out, k_out, v_out = decode_attention_with_write_qkv(
-      qkv, jnp.array(k_cache), jnp.array(v_cache), jnp.asarray(lengths, jnp.int32), rope,
-      layer=1, config=config, interpret=True)
-  expected_k, expected_v = np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64)
-  for b in range(batch):
-    expected_k[1, b, lengths[b] - 1] = k_new[b]
-    expected_v[1, b, lengths[b] - 1] = v_new[b]
-  # The stored values: exact where nothing is rotated, within the dtype's rounding otherwise.
-  np.testing.assert_array_equal(np.asarray(v_out, np.float64), expected_v.astype(dtype))
-  assert_kernel_close(k_out[1], expected_k[1], dtype, "written keys")
-  np.testing.assert_array_equal(np.asarray(k_out[0]), np.asarray(k_cache[0]))
-  reference = float64_reference(q, expected_k[1], expected_v[1], lengths)
-  assert_kernel_close(out, reference, dtype, "decode_attention_with_write_qkv")
-
-
-def test_write_from_qkv_rejects_bad_shapes():
-  k_cache = jnp.zeros((2, 3, 40, 2, 64), jnp.float32)
-  lengths = jnp.ones((3,), jnp.int32)
-  with pytest.raises(ValueError, match=r"qkv must be \[B, Hq \+ 2 \* 2, 64\]"):
-    decode_attention_with_write_qkv(jnp.zeros((3, 4, 64)), k_cache, k_cache, lengths, layer=0,
-                                    interpret=True)
-  with pytest.raises(ValueError, match=r"rope \(cos, sin\) must be \[B, D\]"):
-    decode_attention_with_write_qkv(jnp.zeros((3, 8, 64)), k_cache, k_cache, lengths,
-                                    (jnp.zeros((3, 32)), jnp.zeros((3, 32))), layer=0,
-                                    interpret=True)
-
-
-def test_write_from_qkv_with_rope_lowers_for_h200():
-  shapes = [((3, 8 + 2 * 2, 64), jnp.bfloat16), ((2, 3, 128, 2, 64), jnp.bfloat16),
-            ((2, 3, 128, 2, 64), jnp.bfloat16), ((3,), jnp.int32), ((3, 64), jnp.float32),
-            ((3, 64), jnp.float32)]
-  text = lower_for_h200(
-      lambda qkv, k, v, lengths, cos, sin: decode_attention_with_write_qkv(
-          qkv, k, v, lengths, (cos, sin), layer=1),
-      *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes))
   assert "triton" in text.lower()

@@ -1,0 +1,132 @@
+"""The attention implementations the runtime hands the model (`models.attention` has the method
+contract and the plain-XLA reference).
+
+  PallasAttention  the fused kernels of `cg_jax.kernels`: flash attention for prompts; for decode
+                   the split-K kernel, which with `cache_write="fused"` and a static layer also
+                   stores the new key and value in place (one kernel per layer, no scatters).
+                   Under tensor parallelism each kernel runs per device on its heads
+                   (`shard_map`: a Pallas call is opaque to XLA's SPMD partitioner).
+  RealRows         decode over the first `rows` rows of a step whose hidden state is padded to
+                   more rows (`ForwardConfig.min_matmul_rows`): the padding rows get zeros and
+                   never touch the cache or the attention kernel.
+
+`for_forward(config, mesh)` picks the implementation of a `ForwardConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from cg_jax.config import ForwardConfig
+from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
+                                             decode_attention_with_write)
+from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
+from models.attention import XlaAttention, write_prompt, write_token
+
+
+def interpret_pallas() -> bool:
+  """Pallas kernels compile for GPUs only; elsewhere they run in the interpreter."""
+  return jax.default_backend() != "gpu"
+
+
+def _heads(mesh, rank: int, head_axis: int) -> P:
+  """The partition spec of a rank-`rank` array split over the mesh's axis along `head_axis`."""
+  spec = [None] * rank
+  spec[head_axis] = mesh.axis_names[0]
+  return P(*spec)
+
+
+def _per_device(kernel, mesh, in_specs, out_specs):
+  """`kernel` run per device on its heads, or as it is without a mesh."""
+  if mesh is None:
+    return kernel
+  return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasAttention(XlaAttention):
+  """The Pallas kernels; `mesh` is the tensor-parallel mesh (heads split over it) or None."""
+
+  decode_config: DecodeAttentionConfig = DecodeAttentionConfig()
+  prefill_config: FlashAttentionConfig = FlashAttentionConfig()
+  fused_write: bool = True
+  mesh: Any = None
+  interpret: bool = False
+
+  def causal(self, q, k, v, lengths):
+    def kernel(q, k, v, lengths):
+      return flash_attention(q, k, v, lengths, causal=True, config=self.prefill_config,
+                             interpret=self.interpret)
+
+    heads = None if self.mesh is None else _heads(self.mesh, 4, 2)
+    return _per_device(kernel, self.mesh, (heads, heads, heads, P()), heads)(q, k, v, lengths)
+
+  def prefill(self, q, k, v, lengths, k_all, v_all, layer):
+    k_all, v_all = write_prompt(k, v, k_all, v_all, layer)
+    return self.causal(q, k, v, lengths), k_all, v_all
+
+  def decode(self, q, k, v, positions, k_all, v_all, layer):
+    mesh = self.mesh
+    heads = None if mesh is None else _heads(mesh, 3, 1)
+    cache = None if mesh is None else _heads(mesh, 5, 3)
+    lengths = positions + 1
+    if self.fused_write and isinstance(layer, int):
+      def fused(q, k, v, k_all, v_all, lengths):
+        return decode_attention_with_write(q, k, v, k_all, v_all, lengths, layer=layer,
+                                           config=self.decode_config, interpret=self.interpret)
+
+      return _per_device(fused, mesh, (heads, heads, heads, cache, cache, P()),
+                         (heads, cache, cache))(q, k, v, k_all, v_all, lengths)
+    k_all, v_all = write_token(k, v, positions, k_all, v_all, layer)
+    if isinstance(layer, int):  # the kernel reads the stacked cache in place
+      k_layer, v_layer, static_layer = k_all, v_all, layer
+    else:
+      batch = q.shape[0]
+      k_layer, v_layer, static_layer = k_all[layer, :batch], v_all[layer, :batch], None
+    layer_cache = None if mesh is None else _heads(mesh, k_layer.ndim, k_layer.ndim - 2)
+
+    def kernel(q, k_layer, v_layer, lengths):
+      return decode_attention(q, k_layer, v_layer, lengths, layer=static_layer,
+                              config=self.decode_config, interpret=self.interpret)
+
+    out = _per_device(kernel, mesh, (heads, layer_cache, layer_cache, P()), heads)(
+        q, k_layer, v_layer, lengths)
+    return out, k_all, v_all
+
+
+@dataclasses.dataclass(frozen=True)
+class RealRows:
+  """Decode over rows [0, rows) of a padded step; rows past them get zeros, write nothing."""
+
+  inner: Any
+  rows: int
+
+  def causal(self, q, k, v, lengths):
+    return self.inner.causal(q, k, v, lengths)
+
+  def prefill(self, q, k, v, lengths, k_all, v_all, layer):
+    return self.inner.prefill(q, k, v, lengths, k_all, v_all, layer)
+
+  def decode(self, q, k, v, positions, k_all, v_all, layer):
+    # q [P, N, H]; k, v [P, K, H]; positions [P] -> the real rows [0, rows)
+    rows, padded = self.rows, q.shape[0]
+    out, k_all, v_all = self.inner.decode(q[:rows], k[:rows], v[:rows], positions[:rows], k_all,
+                                          v_all, layer)
+    # [B, N, H] -> [P, N, H]
+    return jnp.pad(out, ((0, padded - rows), (0, 0), (0, 0))), k_all, v_all
+
+
+def for_forward(config: ForwardConfig, mesh=None):
+  """The attention implementation of a forward config (`mesh`: tensor-parallel mesh or None)."""
+  if config.attention == "xla":
+    return XlaAttention()
+  return PallasAttention(decode_config=config.decode_attention,
+                         prefill_config=config.prefill_attention,
+                         fused_write=config.cache_write == "fused", mesh=mesh,
+                         interpret=interpret_pallas())

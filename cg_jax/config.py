@@ -1,0 +1,233 @@
+"""The engine's configuration: one frozen, typed tree, validated once when it is built.
+
+  EngineConfig                       cache length, buckets, CUDA-graph mode, readback lag, device
+  |                                  loop, tensor parallelism, extra XLA options
+  +-- forward: ForwardConfig         attention backend, layer loop, matmul row padding, cache write
+        +-- decode_attention: DecodeAttentionConfig   (cg_jax.kernels.decode_attention)
+        +-- prefill_attention: FlashAttentionConfig   (cg_jax.kernels.flash_attention)
+
+Every node checks its own fields when it is made, and a combination that would not take effect is
+an error naming both settings. `EngineConfig.create(model, **options)` builds the tree from the
+keyword options of `Engine(...)` with the platform's defaults; the tree is passed down whole.
+A kernel option is a field of its kernel's config class and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from cg_jax import graphs as graph_modes
+from cg_jax.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
+from cg_jax.kernels.decode_attention import DecodeAttentionConfig
+from cg_jax.kernels.flash_attention import FlashAttentionConfig
+from cg_jax.sharding import check_tensor_parallel
+from models.config import DecoderConfig
+from models.decoder import LAYER_LOOPS
+
+ATTENTION_BACKENDS = ("xla", "pallas")
+CACHE_WRITES = ("fused", "scatter")
+# Largest readback lag and matmul row padding accepted.
+MAX_READBACK_LAG = 8
+MAX_MATMUL_ROWS = 64
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _choice(name: str, value, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForwardConfig:
+  """How the model's forward paths run.
+
+  attention: "pallas" (the fused kernels of `cg_jax.kernels`; interpreted off the GPU) or "xla".
+  layer_loop: the decode steps' layer loop, "unroll" (straight-line: one CUDA graph per step) or
+    "scan" (`lax.scan`: faster compiles). Prefill always scans.
+  min_matmul_rows: decode steps with fewer rows run their layers on the hidden state padded to
+    this many rows (1 = none), so XLA emits GEMMs instead of its single-row multiply-and-reduce
+    rewrite (benchmarks/results/projections_h200.md). Results are unchanged.
+  cache_write: "fused" (the decode kernel stores the new key and value in place; needs Pallas
+    attention and unrolled layers) or "scatter" (an XLA scatter per layer).
+  decode_attention, prefill_attention: the Pallas kernels' own configs (Pallas attention only).
+  """
+
+  attention: str
+  layer_loop: str
+  min_matmul_rows: int = 8
+  cache_write: str = "scatter"
+  decode_attention: DecodeAttentionConfig = DecodeAttentionConfig()
+  prefill_attention: FlashAttentionConfig = FlashAttentionConfig()
+
+  def __post_init__(self):
+    _choice("attention", self.attention, ATTENTION_BACKENDS)
+    _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
+    _choice("cache_write", self.cache_write, CACHE_WRITES)
+    if not _is_int(self.min_matmul_rows) or not 1 <= self.min_matmul_rows <= MAX_MATMUL_ROWS:
+      raise ValueError(f"min_matmul_rows must be an int in [1, {MAX_MATMUL_ROWS}], "
+                       f"got {self.min_matmul_rows!r}")
+    for name, kind in (("decode_attention", DecodeAttentionConfig),
+                       ("prefill_attention", FlashAttentionConfig)):
+      value = getattr(self, name)
+      if not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, got {value!r}")
+      if self.attention != "pallas" and value != kind():
+        raise ValueError(f"{name}={value} has no effect with attention={self.attention!r}: the "
+                         f"kernels run with attention='pallas'")
+    if self.cache_write == "fused":
+      if self.attention != "pallas":
+        raise ValueError(f"cache_write='fused' needs attention='pallas' (the decode kernel writes "
+                         f"the cache), got attention={self.attention!r}")
+      if self.layer_loop != "unroll":
+        raise ValueError(f"cache_write='fused' needs layer_loop='unroll' (the kernel writes a "
+                         f"static layer), got layer_loop={self.layer_loop!r}")
+
+  @classmethod
+  def create(cls, *, attention: str | None = None, layer_loop: str | None = None,
+             min_matmul_rows: int = 8, cache_write: str | None = None,
+             decode_attention: DecodeAttentionConfig | None = None,
+             prefill_attention: FlashAttentionConfig | None = None) -> "ForwardConfig":
+    """The config with the platform's defaults for what is None: Pallas attention, unrolled
+    layers and the fused cache write on GPU; XLA attention, scanned layers and scatters
+    elsewhere."""
+    if attention is None:
+      attention = "pallas" if on_gpu() else "xla"
+    if layer_loop is None:
+      layer_loop = "unroll" if on_gpu() else "scan"
+    if cache_write is None:
+      cache_write = "fused" if attention == "pallas" and layer_loop == "unroll" else "scatter"
+    return cls(attention=attention, layer_loop=layer_loop, min_matmul_rows=min_matmul_rows,
+               cache_write=cache_write,
+               decode_attention=decode_attention or DecodeAttentionConfig(),
+               prefill_attention=prefill_attention or FlashAttentionConfig())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """Everything that sizes an engine's buffers or changes its executables (all hashable).
+
+  max_seq_len: KV-cache length T per row (prompt + generated tokens).
+  buckets: batch and prompt-length buckets; the cache holds `buckets.max_batch` rows.
+  forward: how the forward paths run (`ForwardConfig`).
+  graphs: CUDA-graph mode (`cg_jax.graphs.GRAPH_MODES`).
+  readback_lag: decode steps launched ahead of the one whose tokens the host reads (0: each
+    step is read synchronously).
+  decode_loop_steps: tokens per host call with `device_loop=True`.
+  tensor_parallel: devices the model is split over (`cg_jax.sharding`).
+  compiler_options: extra XLA options for every executable, on top of the graph mode's, as
+    sorted (name, value) pairs.
+  """
+
+  max_seq_len: int
+  buckets: Buckets
+  forward: ForwardConfig
+  graphs: str = "xla-default"
+  readback_lag: int = 2
+  decode_loop_steps: int = 16
+  tensor_parallel: int = 1
+  compiler_options: tuple[tuple[str, Any], ...] = ()
+
+  def __post_init__(self):
+    if not _is_int(self.max_seq_len) or self.max_seq_len < 2:
+      raise ValueError(f"max_seq_len must be an int >= 2, got {self.max_seq_len!r}")
+    if not isinstance(self.buckets, Buckets):
+      raise TypeError(f"buckets must be a Buckets, got {self.buckets!r}")
+    if not isinstance(self.forward, ForwardConfig):
+      raise TypeError(f"forward must be a ForwardConfig, got {self.forward!r}")
+    if self.buckets.max_prompt_len >= self.max_seq_len:
+      raise ValueError(f"the largest prompt bucket ({self.buckets.max_prompt_len}) must be < "
+                       f"max_seq_len ({self.max_seq_len}) to leave room for a new token")
+    _choice("graphs", self.graphs, tuple(graph_modes.GRAPH_MODES))
+    if not _is_int(self.readback_lag) or not 0 <= self.readback_lag <= MAX_READBACK_LAG:
+      raise ValueError(f"readback_lag must be an int in [0, {MAX_READBACK_LAG}], "
+                       f"got {self.readback_lag!r}")
+    if not _is_int(self.decode_loop_steps) or self.decode_loop_steps < 1:
+      raise ValueError(f"decode_loop_steps must be an int >= 1, got {self.decode_loop_steps!r}")
+    if not _is_int(self.tensor_parallel):  # its range depends on the devices: `check_model`
+      raise ValueError(f"tensor_parallel must be an int, got {self.tensor_parallel!r}")
+    if not isinstance(self.compiler_options, tuple) or any(
+        not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], str)
+        for pair in self.compiler_options):
+      raise TypeError(f"compiler_options must be (name, value) pairs, got "
+                      f"{self.compiler_options!r}")
+
+  @classmethod
+  def create(cls, model: DecoderConfig, *, max_seq_len: int | None = None,
+             batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+             prompt_buckets: Sequence[int] | None = None, graphs: str = "xla-default",
+             readback_lag: int = 2, decode_loop_steps: int = 16, tensor_parallel: int = 1,
+             compiler_options: Mapping[str, Any] | None = None,
+             **forward_options) -> "EngineConfig":
+    """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
+    min(model context, 2048); prompt buckets powers of two from 16 below max_seq_len; the
+    forward options of `ForwardConfig.create`. Checked against `model`."""
+    if max_seq_len is None:
+      max_seq_len = min(model.max_position_embeddings, 2048)
+    if _is_int(max_seq_len) and max_seq_len >= 2 and prompt_buckets is None:
+      prompt_buckets = powers_of_two(min(16, max_seq_len - 1), max_seq_len - 1)
+    if compiler_options is not None and not isinstance(compiler_options, Mapping):
+      raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
+                      f"{compiler_options!r}")
+    config = cls(
+        max_seq_len=max_seq_len,
+        buckets=Buckets(tuple(batch_buckets), tuple(prompt_buckets or ())),
+        forward=ForwardConfig.create(**forward_options), graphs=graphs,
+        readback_lag=readback_lag, decode_loop_steps=decode_loop_steps,
+        tensor_parallel=tensor_parallel,
+        compiler_options=tuple(sorted((compiler_options or {}).items())))
+    config.check_model(model)
+    return config
+
+  def check_model(self, model: DecoderConfig) -> None:
+    """ValueError unless the cache fits the model's context and `tensor_parallel` divides the
+    model over devices that exist."""
+    if self.max_seq_len > model.max_position_embeddings:
+      raise ValueError(f"max_seq_len must be an int in [2, {model.max_position_embeddings}], "
+                       f"got {self.max_seq_len}")
+    check_tensor_parallel(model, self.tensor_parallel)
+
+  @property
+  def xla_options(self) -> dict[str, Any]:
+    """The XLA options every executable is compiled with: the graph mode's plus the extras."""
+    return graph_modes.compiler_options(self.graphs, dict(self.compiler_options))
+
+  def options(self) -> dict[str, Any]:
+    """Keyword options that rebuild this tree through `create`."""
+    f = self.forward
+    return dict(max_seq_len=self.max_seq_len, batch_buckets=self.buckets.batch_sizes,
+                prompt_buckets=self.buckets.prompt_lengths, graphs=self.graphs,
+                readback_lag=self.readback_lag, decode_loop_steps=self.decode_loop_steps,
+                tensor_parallel=self.tensor_parallel,
+                compiler_options=dict(self.compiler_options), attention=f.attention,
+                layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
+                cache_write=f.cache_write, decode_attention=f.decode_attention,
+                prefill_attention=f.prefill_attention)
+
+  def as_dict(self) -> dict[str, Any]:
+    """The configuration that runs, as plain values (kernel configs as dicts)."""
+    out = self.options()
+    out["decode_attention"] = dataclasses.asdict(self.forward.decode_attention)
+    out["prefill_attention"] = dataclasses.asdict(self.forward.prefill_attention)
+    out["xla_options"] = self.xla_options
+    return out
+
+
+def _keywords(function) -> tuple[str, ...]:
+  return tuple(name for name, p in inspect.signature(function).parameters.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+# The keyword options `EngineConfig.create` takes (its own and the forward config's).
+OPTION_NAMES: tuple[str, ...] = _keywords(EngineConfig.create) + _keywords(ForwardConfig.create)

@@ -1,0 +1,141 @@
+"""The executable table: one ahead-of-time compiled executable per (phase, bucket).
+
+Keys (plain tuples, as `keys()` lists them):
+  ("cache",)                      allocate the zeroed KV cache
+  ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket
+  ("first", batch, greedy)        the first token from prefill's logits
+  ("decode", batch, greedy)       one decode step
+  ("loop", batch, greedy)         `decode_loop_steps` decode steps in one call
+
+`greedy` True is the executable without sampling arrays. Every executable takes and returns
+the same placements, and the decode state (cache, tokens, positions) is donated, so each output
+reuses its input's buffer from step to step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from cg_jax import validation
+from cg_jax.config import EngineConfig
+from cg_jax.sampling import SamplingArrays
+from cg_jax.sharding import TensorParallel
+from cg_jax.steps import LoopState, StepFunctions
+from models.config import DecoderConfig
+from models.decoder import KVCache, init_cache
+
+PHASES = ("prefill", "first", "decode", "loop")
+
+
+class ExecutableTable:
+  """Lowers, compiles and holds the executables of one engine.
+
+  Args:
+    model: the model's config; config: the engine's.
+    steps: the step functions; dtype: the cache's dtype.
+    parallel: the tensor-parallel placements, or None on one device.
+  """
+
+  def __init__(self, model: DecoderConfig, config: EngineConfig, steps: StepFunctions, dtype,
+               parallel: TensorParallel | None):
+    self.model, self.config, self.steps, self.dtype = model, config, steps, dtype
+    self.parallel = parallel
+    self.compiled: dict[tuple, Any] = {}
+    self.compile_seconds: dict[tuple, float] = {}
+
+  def keys(self, batch_sizes: Sequence[int] | None = None,
+           prompt_lengths: Sequence[int] | None = None,
+           phases: Sequence[str] = PHASES) -> list[tuple]:
+    """Every key the request path can use, optionally restricted to some buckets and phases."""
+    b = self.config.buckets
+    batch_sizes = b.batch_sizes if batch_sizes is None else batch_sizes
+    prompt_lengths = b.prompt_lengths if prompt_lengths is None else prompt_lengths
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+      raise ValueError(f"phases must be among {PHASES}, got {sorted(unknown)}")
+    for name, values, allowed in (("batch_sizes", batch_sizes, b.batch_sizes),
+                                  ("prompt_lengths", prompt_lengths, b.prompt_lengths)):
+      odd = [v for v in values if v not in allowed]
+      if odd:
+        raise ValueError(f"{name} {odd} are not buckets of this engine; allowed {allowed}")
+    keys: list[tuple] = [("cache",)]
+    for batch in batch_sizes:
+      if "prefill" in phases:
+        keys += [("prefill", batch, length) for length in prompt_lengths]
+      for phase in ("first", "decode", "loop"):
+        if phase in phases:
+          keys += [(phase, batch, True), (phase, batch, False)]
+    return keys
+
+  def cache_spec(self) -> KVCache:
+    c, e = self.model, self.config
+    shape = (c.num_layers, e.buckets.max_batch, e.max_seq_len, c.num_kv_heads, c.head_dim)
+    spec = jax.ShapeDtypeStruct(shape, self.dtype)
+    return KVCache(k=spec, v=spec)
+
+  def signature(self, key: tuple):
+    """(function, abstract arguments, donated argument numbers, input placements, output
+    placements) of a key; placements name "weights", "cache" or "replicated"."""
+    phase = key[0]
+    steps, weights, cache = self.steps, self.steps.split.specs(), self.cache_spec()
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    rep, state = "replicated", ("weights", "cache")
+    if phase == "cache":
+      c, e = self.model, self.config
+      return (lambda: init_cache(c, e.buckets.max_batch, e.max_seq_len, self.dtype)), (), (), (), \
+          "cache"
+    _, batch, extra = key
+    if phase == "prefill":
+      return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch)), (1,),
+              state + (rep, rep), (rep, "cache"))
+    sampling = None if extra else SamplingArrays.spec(batch)
+    if phase == "first":
+      logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
+      return (steps.first_token, (logits, i32(batch), sampling), (), (rep, rep, rep), rep)
+    if phase == "decode":
+      return (steps.decode, (weights, cache, i32(batch), i32(batch), sampling), (1, 2, 3),
+              state + (rep, rep, rep), (rep, rep, rep, "cache"))
+    if phase == "loop":
+      return (steps.decode_loop,
+              (weights, cache, LoopState.spec(batch), i32(validation.MAX_EOS_IDS), sampling),
+              (1, 2), state + (rep, rep, rep), (rep, rep, "cache"))
+    raise KeyError(key)
+
+  def lower(self, key: tuple):
+    """The `jax.stages.Lowered` of a key."""
+    fn, args, donate, inputs, outputs = self.signature(key)
+    if self.parallel is None:
+      return jax.jit(fn, donate_argnums=donate).lower(*args)
+    placement = {"weights": [w.sharding for w in self.steps.split.weights],
+                 "cache": KVCache(k=self.parallel.cache(), v=self.parallel.cache()),
+                 "replicated": self.parallel.replicated()}
+    outs = (tuple(placement[n] for n in outputs) if isinstance(outputs, tuple)
+            else placement[outputs])
+    return jax.jit(fn, donate_argnums=donate, in_shardings=tuple(placement[n] for n in inputs),
+                   out_shardings=outs).lower(*args)
+
+  def get(self, key: tuple):
+    """The compiled executable of a key, compiling it now if warm-up did not."""
+    exe = self.compiled.get(key)
+    if exe is None:
+      start = time.perf_counter()
+      exe = self.lower(key).compile(compiler_options=self.config.xla_options)
+      self.compile_seconds[key] = time.perf_counter() - start
+      self.compiled[key] = exe
+    return exe
+
+  def compile(self, keys: Sequence[tuple], progress: bool = True) -> dict[str, float]:
+    """Compile `keys` (a progress bar when asked); {name: compile seconds}."""
+    for key in tqdm(keys, desc="compiling", disable=not progress, unit="exe"):
+      self.get(key)
+    return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
+
+  def share(self, other: "ExecutableTable") -> None:
+    """Use `other`'s executables (same configuration and weights) instead of compiling again."""
+    self.compiled, self.compile_seconds = other.compiled, other.compile_seconds
