@@ -44,14 +44,11 @@ DECODE_CONFIGS = tuple(
 PREFILL_CONFIGS = tuple(
     FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=warps)
     for block_q, block_k in ((64, 64), (128, 64), (64, 128), (128, 128)) for warps in (4, 8))
-# The decode step's cache write + attention, with the split pinned (min_programs=0), in fixed
-# windows and (length_splits, as many programs) shared by length.
+# The decode step's cache write + attention, with the split pinned (min_programs=0).
 STEP_CONFIGS = tuple(
     DecodeAttentionConfig(block_k=64, split_size=split, min_programs=0, num_warps=warps,
                           num_stages=stages)
-    for split in (64, 128, 256, 512) for warps, stages in ((4, 2), (8, 2), (2, 1))) + tuple(
-    DecodeAttentionConfig(block_k=64, split_size=split, min_programs=0, length_splits=True)
-    for split in (64, 128, 256, 512))
+    for split in (64, 128, 256, 512) for warps, stages in ((4, 2), (8, 2), (2, 1)))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
@@ -196,12 +193,11 @@ def decode_step_rows(models, batches, cache_len: int, position: int):
                        default_splits=splits, pallas_us=best_us,
                        pallas_config=dataclasses.asdict(best),
                        pallas_bandwidth_share=floor / best_us,
-                       all_us={f"split{t[1].split_size}_w{t[1].num_warps}_s{t[1].num_stages}"
-                               f"{'_by_length' if t[1].length_splits else ''}": t[0]
-                               for t in timed}))
+                       all_us={f"split{c.split_size}_w{c.num_warps}_s{c.num_stages}": us
+                               for us, c in timed}))
       print(f"decode step {model:13s} B={batch:<3d} T={cache_len} len={position + 1}: default "
             f"{default_us:6.1f} us/layer (split {split} x{splits}), best {best_us:6.1f} "
-            f"(split {best.split_size}{' by length' if best.length_splits else ''}, "
+            f"(split {best.split_size}, "
             f"{best.num_warps} warps, {best.num_stages} stages), floor "
             f"{floor:5.1f} ({100 * floor / best_us:4.1f}% of HBM)", flush=True)
   return rows
@@ -303,7 +299,7 @@ def main():
     global DECODE_CONFIGS, PREFILL_CONFIGS
     global STEP_CONFIGS
     DECODE_CONFIGS, PREFILL_CONFIGS = DECODE_CONFIGS[:2], PREFILL_CONFIGS[:1]
-    STEP_CONFIGS = STEP_CONFIGS[:1] + STEP_CONFIGS[-1:]  # one fixed, one by length
+    STEP_CONFIGS = STEP_CONFIGS[:2]
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
     args.step_models = "tiny-gpt2"
   commit = git_commit()

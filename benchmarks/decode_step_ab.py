@@ -1,14 +1,13 @@
 """Decode-step latency of one source tree's engine, for before/after comparisons in one GPU run.
 
-  python benchmarks/decode_step_ab.py --root DIR --label NAME --variants default,full,length \
+  python benchmarks/decode_step_ab.py --root DIR --label NAME --variants default,full \
       --out rows.json
   python benchmarks/decode_step_ab.py --table rows.json ...    (a Markdown table of the rows)
 
 Imports cg_jax from DIR (another checkout, e.g. the commit before a refactor, or this one), builds
 each model once per variant with random bf16 weights (batch buckets 1 and 8, cache 1024) and
 times the greedy decode step at position 512 with `cg_jax.profile.time_decode` (medians), the
-helper both trees share. Variants: default (the engine's defaults), full (graphs="full"), length
-(DecodeAttentionConfig(length_splits=True); this tree's API only).
+helper both trees share. Variants: default (the engine's defaults), full (graphs="full").
 """
 
 from __future__ import annotations
@@ -62,9 +61,6 @@ def main():
       return {}
     if variant == "full":
       return {"graphs": "full"}
-    if variant == "length":
-      from cg_jax import DecodeAttentionConfig
-      return {"decode_attention": DecodeAttentionConfig(length_splits=True)}
     raise SystemExit(f"unknown variant {variant!r}")
 
   batches = [int(b) for b in args.batches.split(",")]

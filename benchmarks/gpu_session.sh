@@ -23,11 +23,6 @@
 #   graphs-gemm    cg_jax's comparison rows (same checkpoint files) over both GPUs, with gpt2 and
 #                  llama-3.2-1b also under cuBLAS / cuBLASLt GEMMs instead of XLA's Triton ones
 #                  (CELLS0 / CELLS1: each GPU's model:max_len:gemms list; BATCHES)
-#   splits         the decode kernel's keys in fixed windows against shared by row length: the
-#                  attention alone per model shape (cache 1024 and 4096), then whole steps
-#                  (graphs_bench --decode-splits fixed,length: Engine(decode_attention=
-#                  DecodeAttentionConfig(length_splits=True))) for gpt2 and llama-3.2-1b, one GPU
-#                  each
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
@@ -158,19 +153,6 @@ if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host whil
   grep -h " step " "$out"/gemm-gpu*.log | cut -c1-150 | sort
   grep -h -E "FAILED|Error" "$out"/gemm-gpu*.log | cut -c1-300
   (cd "$out" && tar czf gemm_logs.tar.gz gemm-gpu*.log checkpoint_*.log && rm gemm-gpu*.log checkpoint_*.log)
-fi
-if has splits; then  # on nvidia-h200-x2
-  for g in 0 1; do
-    m=$([ $g = 0 ] && echo gpt2 || echo llama-3.2-1b)
-    (CUDA_VISIBLE_DEVICES=$g run splits-attention-$m 200 python3 benchmarks/attention_bench.py \
-       --parts decode-step --step-models $m --batches 1,8,32 --cache-lens 1024,4096
-     CUDA_VISIBLE_DEVICES=$g run splits-steps-$m 240 python3 benchmarks/graphs_bench.py \
-       --attention pallas --models $m --modes full --layer-loops unroll --batches 1,8,32 \
-       --traces none --loop-batches none --max-seq-len 4096 --decode-splits fixed,length \
-       --ttft-len 0) > "$out/splits-gpu$g.log" 2>&1 &
-  done
-  wait
-  grep -h -E "decode step [a-z]| step " "$out"/splits-gpu*.log | cut -c1-170
 fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py

@@ -21,7 +21,7 @@ import time
 import jax
 
 from bench_util import HBM_BYTES_PER_S, failed_row, git_commit, write_rows
-from cg_jax import DecodeAttentionConfig, Engine, profile
+from cg_jax import Engine, profile
 from cg_jax.graphs import GRAPH_MODES
 
 # XLA options per GEMM backend: "xla" is XLA's own choice (Triton GEMM fusions, autotuned against
@@ -29,10 +29,6 @@ from cg_jax.graphs import GRAPH_MODES
 # also routes them through cuBLASLt (bias and activation epilogues).
 GEMMS = {"xla": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
          "cublaslt": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_cublaslt": True}}
-# The decode kernel's split of each row's keys: fixed windows of the cache, or shared by the row's
-# length (Engine(decode_attention=...); Pallas attention only).
-DECODE_SPLITS = {"fixed": DecodeAttentionConfig(),
-                 "length": DecodeAttentionConfig(length_splits=True)}
 # --cache-writes value for the engine's own choice: "fused" with Pallas attention and unrolled
 # layers, else "scatter" (rows record the write that ran).
 DEFAULT_CACHE_WRITE = "default"
@@ -70,16 +66,10 @@ def main():
                       help="comma list of Engine(cache_write=...) values to compare "
                            f"('{DEFAULT_CACHE_WRITE}': the engine's choice for the layer loop)")
   parser.add_argument("--gemms", default="xla", help=f"comma list of GEMM backends: {list(GEMMS)}")
-  parser.add_argument("--decode-splits", default="fixed",
-                      help=f"comma list of {list(DECODE_SPLITS)}: the decode kernel's keys in "
-                           "fixed windows or shared by row length (Engine(decode_attention="
-                           "DecodeAttentionConfig(length_splits=True)))")
   args = parser.parse_args()
-  for flag, values, choices in (("--gemms", args.gemms, GEMMS),
-                                ("--decode-splits", args.decode_splits, DECODE_SPLITS)):
-    for value in values.split(","):
-      if value not in choices:
-        parser.error(f"{flag}: {value!r} is not one of {list(choices)}")
+  for value in args.gemms.split(","):
+    if value not in GEMMS:
+      parser.error(f"--gemms: {value!r} is not one of {list(GEMMS)}")
   batches = [int(b) for b in args.batches.split(",")]
   os.makedirs(args.out, exist_ok=True)
   meta = dict(system="cg_jax", gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
@@ -96,18 +86,17 @@ def main():
                                   prompt_buckets=prompt_buckets, max_seq_len=args.max_seq_len,
                                   attention=args.attention, compilation_cache=False)
     reference_tokens = None
-    for layer_loop, mode, matmul_rows, cache_write, gemm, splits in itertools.product(
+    for layer_loop, mode, matmul_rows, cache_write, gemm in itertools.product(
         args.layer_loops.split(","), args.modes.split(","),
         [int(r) for r in args.matmul_rows.split(",")], args.cache_writes.split(","),
-        args.gemms.split(","), args.decode_splits.split(",")):
+        args.gemms.split(",")):
         try:
           engine = base.with_options(
               graphs=mode, layer_loop=layer_loop, compilation_cache=False,
               min_matmul_rows=matmul_rows, compiler_options=GEMMS[gemm],
-              cache_write=None if cache_write == DEFAULT_CACHE_WRITE else cache_write,
-              decode_attention=DECODE_SPLITS[splits])
+              cache_write=None if cache_write == DEFAULT_CACHE_WRITE else cache_write)
           cache_write = engine.config.forward.cache_write
-          name = f"{model}_{layer_loop}_{mode}_{cache_write}_{gemm}_{splits}_rows{matmul_rows}"
+          name = f"{model}_{layer_loop}_{mode}_{cache_write}_{gemm}_rows{matmul_rows}"
           start = time.perf_counter()
           engine.warmup(batch_sizes=[1], phases=("prefill", "first", "decode"), progress=False)
           tokens = list(engine.generate(prompt, max_new_tokens=16, eos_token_id=[]))
@@ -120,7 +109,7 @@ def main():
             compile_s = time.perf_counter() - start
             row = dict(meta, mode=mode, layer_loop=layer_loop, model=model,
                        batch=batch, min_matmul_rows=matmul_rows,
-                       cache_write=cache_write, gemm=gemm, decode_splits=splits,
+                       cache_write=cache_write, gemm=gemm,
                        compile_s=compile_s,
                        tokens_match_reference=tokens == reference_tokens)
             row.update(profile.time_decode(engine, batch, position=args.position))
@@ -151,7 +140,7 @@ def main():
             rows.append(row)
             write_rows(args.out, "graphs_rows.json", rows)
             print(f"{model:13s} {layer_loop:6s} {mode:11s} {cache_write:7s} {gemm:6s} "
-                  f"{splits:6s} rows>={matmul_rows:<2d} "
+                  f"rows>={matmul_rows:<2d} "
                   f"B={batch:<2d} step {row['step_us']:8.1f} us "
                   f"readback {row['step_readback_us']:8.1f} loop {row['device_loop_token_us']:8.1f} "
                   f"kern {row['kernels_per_step']:6.1f} graphs {row['graph_launches_per_step']:5.1f} "
@@ -161,24 +150,23 @@ def main():
                   f"match {row['tokens_match_reference']} compile {compile_s:.0f}s", flush=True)
         except Exception as error:  # noqa: BLE001 -- a failed configuration is a row
           rows.append(failed_row(
-              meta, error, f"{model} {layer_loop} {mode} {cache_write} {gemm} {splits} "
+              meta, error, f"{model} {layer_loop} {mode} {cache_write} {gemm} "
               f"rows>={matmul_rows}", mode=mode, layer_loop=layer_loop, model=model, batch=None,
-              min_matmul_rows=matmul_rows, cache_write=cache_write, gemm=gemm,
-              decode_splits=splits))
+              min_matmul_rows=matmul_rows, cache_write=cache_write, gemm=gemm))
           write_rows(args.out, "graphs_rows.json", rows)
         engine = None
     del base
 
-  print("\nmodel          loop   mode        write   gemm   splits rows B   step_us  readback  "
+  print("\nmodel          loop   mode        write   gemm   rows B   step_us  readback  "
         "loop/tok kern/step graphs/step outside disp_us idle  floor")
   for r in rows:
     if r.get("status") == "failed":
       print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} "
-            f"{r['cache_write']:7s} {r['gemm']:6s} {r['decode_splits']:6s} "
+            f"{r['cache_write']:7s} {r['gemm']:6s} "
             f"FAILED: {r['error'][:120]}")
       continue
     print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} "
-          f"{r['cache_write']:7s} {r['gemm']:6s} {r['decode_splits']:6s} "
+          f"{r['cache_write']:7s} {r['gemm']:6s} "
           f"{r['min_matmul_rows']:<4d} "
           f"{r['batch']:<3d} "
           f"{r['step_us']:8.1f} {r['step_readback_us']:9.1f} {r['device_loop_token_us']:9.1f} "

@@ -26,7 +26,6 @@ def main():
         "write = the decode step's cache write (`fused`: the "
         "Pallas decode attention stores the new K/V in place; `scatter`: XLA scatters first); "
         "gemm = `xla` (XLA's Triton GEMM fusions) or `cublas` / `cublaslt` (Triton GEMMs off); "
-        "splits = the decode kernel's split of each row's keys (`fixed` windows or by `length`); "
         "memcpy = copies per step; step = pipelined (token fed "
         "back on device); readback = token read to the host every step; loop/token = device loop "
         "(K=16 tokens per call); dispatch = host time of one step call into an idle queue; call = "
@@ -36,19 +35,18 @@ def main():
         "floor = (weights + valid KV bytes) / 4.2 TB/s; TTFT = prefill of a 512-token prompt per "
         "row and the first token, on the device; tokens equal = greedy tokens equal to the "
         "model's first configuration in the run.\n")
-  print("| model | T | mode | rows | write | gemm | splits | batch | step us | readback us | "
+  print("| model | T | mode | rows | write | gemm | batch | step us | readback us | "
         "loop us/token | floor us "
         "| kernels/step | graph launches/step | launches outside graphs/step | "
         "loop graph launches/token | memcpy/step | dispatch us | call us | idle share | TTFT ms | "
         "tokens equal |")
-  print("|---" * 22 + "|")
+  print("|---" * 21 + "|")
   for r in rows:
     if r.get("status") == "failed":
       print(f"| {r['model']} | {r['max_seq_len']} | {r['mode']} | failed: {r['error'][:200]} |")
       continue
     print(f"| {r['model']} | {r['max_seq_len']} | {r['mode']} | {r.get('min_matmul_rows', 1)} | "
           f"{r.get('cache_write', 'scatter')} | {r.get('gemm', 'xla')} | "
-          f"{r.get('decode_splits', 'fixed')} | "
           f"{r['batch']} | {fmt(r['step_us'])} | "
           f"{fmt(r['step_readback_us'])} | {fmt(r.get('device_loop_token_us'))} | "
           f"{fmt(r['floor_us'], 0)} | {fmt(r['kernels_per_step'], 0)} | "

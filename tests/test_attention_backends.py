@@ -34,18 +34,17 @@ def test_pallas_and_xla_agree(model):
                         "pallas logits")
 
 
-def test_length_splits_give_the_same_tokens():
-  """DecodeAttentionConfig(length_splits=True) (each row's valid keys shared among the split-K
-  programs) against the XLA backend, on a cache cut into 4 splits with an 80-token prompt (keys
-  past one block)."""
+def test_decode_kernel_config_reaches_the_kernel():
+  """A DecodeAttentionConfig with small splits (a 256-long cache cut into 16 splits of 16 keys,
+  an 80-token prompt) gives the XLA backend's tokens, and stats() reports it."""
   xla = Engine.from_pretrained("tiny-llama", attention="xla", batch_buckets=(2,),
                                prompt_buckets=(96,), max_seq_len=256)
   prompts = [list(range(3, 83)), [38, 46]]
   expected = xla.generate(prompts, max_new_tokens=8, eos_token_id=[])
-  by_length = xla.with_options(attention="pallas", layer_loop="unroll",
-                               decode_attention=DecodeAttentionConfig(length_splits=True))
-  assert by_length.stats()["decode_attention"]["length_splits"] is True
-  assert by_length.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
+  config = DecodeAttentionConfig(block_k=16, split_size=16, min_programs=0)
+  small = xla.with_options(attention="pallas", layer_loop="unroll", decode_attention=config)
+  assert small.stats()["decode_attention"] == dataclasses.asdict(config)
+  assert small.generate(prompts, max_new_tokens=8, eos_token_id=[]) == expected
 
 
 def test_cpu_defaults():
@@ -62,8 +61,8 @@ def test_cpu_defaults():
      r"cache_write='fused' needs attention='pallas' .*got attention='xla'"),
     (dict(attention="pallas", layer_loop="scan", cache_write="fused"),
      r"cache_write='fused' needs layer_loop='unroll' .*got layer_loop='scan'"),
-    (dict(attention="xla", decode_attention=DecodeAttentionConfig(length_splits=True)),
-     r"decode_attention=DecodeAttentionConfig\(.*length_splits=True\) has no effect with "
+    (dict(attention="xla", decode_attention=DecodeAttentionConfig(split_size=256)),
+     r"decode_attention=DecodeAttentionConfig\(.*split_size=256.*\) has no effect with "
      r"attention='xla'"),
     (dict(attention="xla", prefill_attention=FlashAttentionConfig(block_q=32)),
      r"prefill_attention=.* has no effect with attention='xla'"),

@@ -10,10 +10,7 @@ cache along the key axis:
      split in blocks of `block_k` keys with an online softmax: a running max m, a running
      denominator l and an unnormalised float32 accumulator. The trip count is dynamic: a program
      reads only the blocks that hold keys below `lengths[b]`, and a split that lies entirely past
-     the length reads nothing and reports m = -inf, l = 0, acc = 0. With
-     `DecodeAttentionConfig.length_splits` the same programs share each row's valid keys instead
-     (whole blocks each, found from `lengths[b]`), so a short row in a long cache is still
-     spread over its programs.
+     the length reads nothing and reports m = -inf, l = 0, acc = 0.
   2. The per-split partials are combined in plain jnp (`combine_splits`, which XLA fuses): the
      max over splits, each split rescaled by exp(m_split - m_max), summed, and divided by the summed denominator. A row with
      no valid key (length 0) gets zeros, never NaN. When the cache fits one split, the kernel
@@ -70,10 +67,6 @@ class DecodeAttentionConfig:
       0 keeps `split_size`.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages.
-    length_splits: the same number of splits (from split_size and min_programs), but each row's
-      valid keys are shared among them (whole blocks of block_k keys each), so that no program
-      of a row with keys idles however short the row is against T; False splits the whole cache
-      T into fixed windows of split_size keys.
   """
 
   block_k: int = 64
@@ -81,7 +74,6 @@ class DecodeAttentionConfig:
   min_programs: int = 512
   num_warps: int = 4
   num_stages: int = 2
-  length_splits: bool = False
 
   def __post_init__(self):
     for name in ("block_k", "split_size", "num_warps"):
@@ -101,9 +93,6 @@ class DecodeAttentionConfig:
     if not isinstance(self.num_stages, int) or self.num_stages < 1:
       raise ValueError(f"DecodeAttentionConfig.num_stages must be a positive int, "
                        f"got {self.num_stages!r}")
-    if not isinstance(self.length_splits, bool):
-      raise ValueError(f"DecodeAttentionConfig.length_splits must be a bool, "
-                       f"got {self.length_splits!r}")
 
 
 def _check_shapes(q, k_cache, v_cache, lengths) -> None:
@@ -136,8 +125,7 @@ def _check_shapes(q, k_cache, v_cache, lengths) -> None:
 
 
 def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
-                             block_k: int, split_size: int, num_splits: int, padded_group: int,
-                             writes_new: bool, length_splits: bool):
+                             block_k: int, split_size: int, padded_group: int, writes_new: bool):
   """One (batch row, KV head, split) program.
 
   With `writes_new`, refs start with k_new_ref, v_new_ref [H] (the new token's key and value,
@@ -146,9 +134,7 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   input, and the program whose split holds position length - 1 stores it there.
 
   Refs: lengths_ref [] int32; q_ref [G, H]; k_ref, v_ref [split_size, H] (this split's window of
-  the cache, possibly reaching past T: rows at or past the length are never loaded; with
-  `length_splits`, the whole cache rounded up to a power of two, this split's keys found from
-  the length). Outputs:
+  the cache, possibly reaching past T: rows at or past the length are never loaded). Outputs:
   with one split, out_ref [G, H] (the normalised result in q's dtype); with several, the
   partials acc_ref [G, H] f32 and max_ref, denom_ref [G] f32 for `combine_splits`. The G query
   rows are handled as `padded_group` (>= 16 for Triton dots) through masked loads and stores.
@@ -161,27 +147,17 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   group, head_dim = q_ref.shape
   real_rows = jnp.arange(padded_group) < group
   length = lengths_ref[()]
-  if length_splits:
-    # Each split takes an equal share of the row's keys, in whole blocks; the window is the
-    # whole cache, so keys are addressed from 0.
-    # Both operands are non-negative, so truncating and flooring division agree.
-    share_blocks = ((length + num_splits - 1) // num_splits + block_k - 1) // block_k
-    split_keys = share_blocks * block_k
-    split_start = pl.program_id(2) * split_keys
-    window_start = 0
-  else:
-    split_keys = split_size
-    split_start = pl.program_id(2) * split_size
-    window_start = split_start
+  # This split's first key: its window of the cache starts there.
+  split_start = window_start = pl.program_id(2) * split_size
   if writes_new:
     # The new token's position, and whether this program's split holds it.
     new_position = length - 1
     owns_new = (length > 0) & (split_start <= new_position) & (
-        new_position < split_start + split_keys)
+        new_position < split_start + split_size)
     length = jnp.maximum(new_position, 0)  # the keys read from the cache
   # Blocks of this split that hold at least one key below `length` (0 when the split is past it).
   keys_left = jnp.maximum(length - split_start, 0)
-  num_blocks = jnp.minimum((keys_left + block_k - 1) // block_k, split_keys // block_k)
+  num_blocks = jnp.minimum((keys_left + block_k - 1) // block_k, split_size // block_k)
 
   # [G_pad, H]; rows past G read as zeros and are never stored.
   query = pltriton.load(q_ref.at[pl.ds(0, padded_group), :], mask=real_rows[:, None], other=0.0)
@@ -385,19 +361,16 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, cache_len)
 
   kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
-                             split_size=split_size, num_splits=num_splits,
-                             padded_group=padded_group, writes_new=new is not None,
-                             length_splits=config.length_splits)
+                             split_size=split_size,
+                             padded_group=padded_group, writes_new=new is not None)
   squeezed = pl.squeezed
-  # Keys per program's cache window: its split, or (length_splits) the whole cache.
-  window = pl.next_power_of_2(cache_len) if config.length_splits else split_size
-  window_index = (lambda s: 0) if config.length_splits else (lambda s: s)
+  # Each program's window of the cache: its split.
   if layer is None:
-    cache_spec = pl.BlockSpec((squeezed, window, squeezed, head_dim),
-                              lambda b, h, s: (b, window_index(s), h, 0))
+    cache_spec = pl.BlockSpec((squeezed, split_size, squeezed, head_dim),
+                              lambda b, h, s: (b, s, h, 0))
   else:
-    cache_spec = pl.BlockSpec((squeezed, squeezed, window, squeezed, head_dim),
-                              lambda b, h, s: (layer, b, window_index(s), h, 0))
+    cache_spec = pl.BlockSpec((squeezed, squeezed, split_size, squeezed, head_dim),
+                              lambda b, h, s: (layer, b, s, h, 0))
   if num_splits == 1:
     # One kernel, no combine: [B, K, G, H] in q's dtype.
     out_specs = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))

@@ -36,7 +36,7 @@ class Case:
     return (f"{self.dtype}-D{self.head_dim}-Hq{self.num_q_heads}-Hkv{self.num_kv_heads}-"
             f"T{self.cache_len}-len{'_'.join(map(str, self.lengths))}-"
             f"bk{self.config.block_k}-split{self.config.split_size}-"
-            f"min{self.config.min_programs}{'-by-length' if self.config.length_splits else ''}")
+            f"min{self.config.min_programs}")
 
 
 CASES = [
@@ -89,11 +89,8 @@ def run_kernel(case: Case, q, k_cache, v_cache, lengths):
                           config=case.config, interpret=True)
 
 
-@pytest.mark.parametrize("length_splits", [False, True], ids=["fixed-splits", "length-splits"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_kernel_matches_float64_reference(case, length_splits):
-  case = dataclasses.replace(case, config=dataclasses.replace(case.config,
-                                                              length_splits=length_splits))
+def test_kernel_matches_float64_reference(case):
   inputs = make_inputs(case)
   out = run_kernel(case, *inputs)
   assert out.dtype == jnp.dtype(case.dtype)
@@ -207,7 +204,6 @@ def test_split_layout_spreads_small_launches(batch, kv_heads, cache_len, expecte
     (dict(num_warps=3), "num_warps"),
     (dict(num_stages=0), "num_stages"),
     (dict(min_programs=-1), "min_programs"),
-    (dict(length_splits=1), "length_splits"),
 ])
 def test_config_validation(fields, name):
   with pytest.raises(ValueError, match=name):
@@ -241,9 +237,8 @@ def test_stacked_cache_with_layer_reads_that_layer_in_place(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("config", [SMALL_BLOCKS, DecodeAttentionConfig(min_programs=0),
-                                    DecodeAttentionConfig(block_k=16, split_size=16),
-                                    dataclasses.replace(SMALL_BLOCKS, length_splits=True)],
-                         ids=["splits32", "one-split", "splits16", "length-splits"])
+                                    DecodeAttentionConfig(block_k=16, split_size=16)],
+                         ids=["splits32", "one-split", "splits16"])
 def test_write_and_attend_matches_scatter_then_float64_attention(dtype, config):
   """decode_attention_with_write stores each row's new key/value at (layer, b, length - 1) and
   attends to it: the caches equal the scatter's exactly (rows past the batch, other layers and
