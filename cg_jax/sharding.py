@@ -32,9 +32,9 @@ AXIS = "tp"
 
 # Stacked per-layer weights [L, ...] that are split; every other weight is replicated.
 _WEIGHT_SPECS = {
-    "qkv_kernel": P(None, None, AXIS),      # [L, D, (Nq + 2K) H], column-parallel
+    "qkv_kernel": P(None, None, AXIS),      # [L, D, (N + 2K) H], column-parallel
     "qkv_bias": P(None, AXIS),
-    "out_kernel": P(None, AXIS, None),      # [L, Nq H, D], row-parallel
+    "out_kernel": P(None, AXIS, None),      # [L, N H, D], row-parallel
     "mlp_in_kernel": P(None, None, AXIS),   # [L, D, F or 2F], column-parallel
     "mlp_in_bias": P(None, AXIS),
     "mlp_out_kernel": P(None, AXIS, None),  # [L, F, D], row-parallel

@@ -5,10 +5,10 @@ ahead of time per bucket (`cg_jax.executables`):
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
   decode(weights, cache, tokens[B], positions[B], sampling)
                                               -> (emitted[B], tokens[B], positions[B], cache)
-  decode_loop(weights, cache, LoopState, eos[E], sampling)          -> (LoopState, out[B,K], cache)
+  decode_loop(weights, cache, LoopState, eos[E], sampling)  -> (LoopState, out[B,loop_steps], cache)
 
 `sampling` is a `SamplingArrays` or None (the greedy-only executable). Shape letters: the README's
-table (K in `out[B,K]`: tokens per device-loop call).
+table.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class StepFunctions:
     return next_tokens, next_tokens, next_positions, cache
 
   def decode_loop(self, weights, cache: KVCache, state: LoopState, eos, sampling):
-    """Up to K decode steps in one `lax.while_loop`, stopping early when every row is done.
+    """Up to `loop_steps` decode steps in one `lax.while_loop`, stopping early when every row is
+    done.
 
     out[b, i] is the i-th token of this call for row b, or -1 once the row was done.
     A row becomes done after emitting an EOS id (from `eos`, int32 [E], -1 padded) or when its

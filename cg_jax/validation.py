@@ -20,25 +20,25 @@ MAX_STOP_STRINGS = 8
 
 # Names users bring from Hugging Face transformers (or the OpenAI API), and what to use instead.
 FOREIGN_NAMES = {
-    "max_length": "max_new_tokens (tokens to generate per prompt, the prompt not counted)",
-    "max_tokens": "max_new_tokens",
-    "min_new_tokens": "eos_token_id=[] (generation then runs for max_new_tokens)",
-    "min_length": "eos_token_id=[] (generation then runs for max_new_tokens)",
-    "stop_strings": "stop",
-    "stop_sequences": "stop",
-    "num_beams": "nothing: beam search is not supported (greedy or sampling only)",
-    "num_return_sequences": "a list repeating the prompt, with do_sample=True and a seed",
-    "repetition_penalty": "nothing: repetition penalties are not supported",
-    "pad_token_id": "nothing: prompts of any lengths are padded internally",
-    "attention_mask": "nothing: pass the prompts as ragged token-id lists",
-    "input_ids": "inputs (the first argument)",
-    "prompt": "inputs (the first argument)",
-    "generation_config": "the sampling keywords (do_sample, temperature, top_k, top_p, seed)",
-    "use_cache": "nothing: the KV cache is always used",
-    "torch_dtype": "dtype",
-    "device_map": "tensor_parallel (devices to split the model over)",
-    "max_batch_size": "batch_buckets",
-    "max_model_len": "max_seq_len",
+    "max_length": "use max_new_tokens (tokens to generate per prompt, the prompt not counted)",
+    "max_tokens": "use max_new_tokens",
+    "min_new_tokens": "not supported; eos_token_id=[] runs for max_new_tokens",
+    "min_length": "not supported; eos_token_id=[] runs for max_new_tokens",
+    "stop_strings": "use stop",
+    "stop_sequences": "use stop",
+    "num_beams": "beam search is not supported: greedy or sampling only",
+    "num_return_sequences": "not supported; repeat the prompt with do_sample=True and a seed",
+    "repetition_penalty": "repetition penalties are not supported",
+    "pad_token_id": "not needed: prompts of any lengths are padded internally",
+    "attention_mask": "not needed: pass the prompts as ragged token-id lists",
+    "input_ids": "use inputs (the first argument)",
+    "prompt": "use inputs (the first argument)",
+    "generation_config": "use the sampling keywords (do_sample, temperature, top_k, top_p, seed)",
+    "use_cache": "not needed: the KV cache is always used",
+    "torch_dtype": "use dtype",
+    "device_map": "use tensor_parallel (devices to split the model over)",
+    "max_batch_size": "use batch_buckets",
+    "max_model_len": "use max_seq_len",
 }
 
 
@@ -49,7 +49,7 @@ def reject_unknown(where: str, unknown: Mapping[str, Any]) -> None:
   parts = []
   for name in sorted(unknown):
     hint = FOREIGN_NAMES.get(name)
-    parts.append(f"{name!r}" + (f" (use {hint})" if hint else ""))
+    parts.append(f"{name!r}" + (f" ({hint})" if hint else ""))
   raise TypeError(f"{where} got unexpected keyword argument(s): {', '.join(parts)}")
 
 
