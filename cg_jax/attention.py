@@ -4,6 +4,7 @@ contract and the plain-XLA reference).
   PallasAttention  the fused kernels of `cg_jax.kernels`: flash attention for prompts; for decode
                    the split-K kernel, which with `cache_write="fused"` and a static layer also
                    stores the new key and value in place (one kernel per layer, no scatters).
+                   Prompt chunks at a cache offset (`extend`) run as XLA ops.
                    Under tensor parallelism each kernel runs per device on its heads
                    (`shard_map`: a Pallas call is opaque to XLA's SPMD partitioner).
   RealRows         decode over the first `rows` rows of a step whose hidden state is padded to
@@ -112,6 +113,9 @@ class RealRows:
 
   def prefill(self, q, k, v, lengths, k_all, v_all, layer):
     return self.inner.prefill(q, k, v, lengths, k_all, v_all, layer)
+
+  def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
+    return self.inner.extend(q, k, v, positions, rows, k_all, v_all, layer)
 
   def decode(self, q, k, v, positions, k_all, v_all, layer):
     # q [P, N, H]; k, v [P, K, H]; positions [P] -> the real rows [0, rows)

@@ -126,6 +126,7 @@ class EngineConfig:
     step is read synchronously).
   decode_loop_steps: tokens per host call with `device_loop=True`.
   tensor_parallel: devices the model is split over (`cg_jax.sharding`).
+  max_waiting: requests the scheduler's waiting queue holds; more is a `QueueFull` error.
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
     sorted (name, value) pairs.
   """
@@ -137,6 +138,7 @@ class EngineConfig:
   readback_lag: int = 2
   decode_loop_steps: int = 16
   tensor_parallel: int = 1
+  max_waiting: int = 1024
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
@@ -155,6 +157,8 @@ class EngineConfig:
                        f"got {self.readback_lag!r}")
     if not _is_int(self.decode_loop_steps) or self.decode_loop_steps < 1:
       raise ValueError(f"decode_loop_steps must be an int >= 1, got {self.decode_loop_steps!r}")
+    if not _is_int(self.max_waiting) or self.max_waiting < 1:
+      raise ValueError(f"max_waiting must be an int >= 1, got {self.max_waiting!r}")
     if not _is_int(self.tensor_parallel):  # its range depends on the devices: `check_model`
       raise ValueError(f"tensor_parallel must be an int, got {self.tensor_parallel!r}")
     if not isinstance(self.compiler_options, tuple) or any(
@@ -168,7 +172,7 @@ class EngineConfig:
              batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
              prompt_buckets: Sequence[int] | None = None, graphs: str = "xla-default",
              readback_lag: int = 2, decode_loop_steps: int = 16, tensor_parallel: int = 1,
-             compiler_options: Mapping[str, Any] | None = None,
+             max_waiting: int = 1024, compiler_options: Mapping[str, Any] | None = None,
              **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
     min(model context, 2048); prompt buckets powers of two from 16 below max_seq_len; the
@@ -185,7 +189,7 @@ class EngineConfig:
         buckets=Buckets(tuple(batch_buckets), tuple(prompt_buckets or ())),
         forward=ForwardConfig.create(**forward_options), graphs=graphs,
         readback_lag=readback_lag, decode_loop_steps=decode_loop_steps,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=tensor_parallel, max_waiting=max_waiting,
         compiler_options=tuple(sorted((compiler_options or {}).items())))
     config.check_model(model)
     return config
@@ -209,7 +213,7 @@ class EngineConfig:
     return dict(max_seq_len=self.max_seq_len, batch_buckets=self.buckets.batch_sizes,
                 prompt_buckets=self.buckets.prompt_lengths, graphs=self.graphs,
                 readback_lag=self.readback_lag, decode_loop_steps=self.decode_loop_steps,
-                tensor_parallel=self.tensor_parallel,
+                tensor_parallel=self.tensor_parallel, max_waiting=self.max_waiting,
                 compiler_options=dict(self.compiler_options), attention=f.attention,
                 layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
                 cache_write=f.cache_write, decode_attention=f.decode_attention,

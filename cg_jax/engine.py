@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -22,10 +23,11 @@ import numpy as np
 
 from cg_jax import attention, compile_stats, text, validation
 from cg_jax.config import OPTION_NAMES, EngineConfig, on_gpu
-from cg_jax.executables import PHASES, ExecutableTable
-from cg_jax.generation import GenerationResult, Generator, StreamChunk
+from cg_jax.executables import SERVING_PHASES, ExecutableTable
+from cg_jax.generation import GenerationResult, Generator, RowText, StreamChunk
 from cg_jax.hub import resolve_model
 from cg_jax.kv_cache import CacheHolder
+from cg_jax.scheduler import Handle, Scheduler
 from cg_jax.sharding import TensorParallel
 from cg_jax.steps import StepFunctions
 from cg_jax.weights import canonical, place, random_weights
@@ -33,7 +35,7 @@ from models import hf
 from models.config import PRESETS, DecoderConfig
 from models.decoder import cache_bytes
 
-__all__ = ["Engine", "GenerationResult", "StreamChunk"]
+__all__ = ["Engine", "GenerationResult", "Handle", "StreamChunk"]
 
 
 def default_dtype() -> str:
@@ -117,8 +119,11 @@ class Engine:
     # Where request arrays go: the first device, or replicated over the tensor-parallel mesh.
     self.input_placement = inputs_at
     self._lock = threading.RLock()
-    self._generator = Generator(e, self.executables, self.kv_cache, self._split.weights,
+    self._scheduler = Scheduler(e, self.executables, self.kv_cache, self._split.weights,
                                 inputs_at, tokenizer, self._lock)
+    # The static path (device_loop=True) runs alone: it writes cache rows from 0.
+    self._generator = Generator(e, self.executables, self.kv_cache, self._split.weights,
+                                inputs_at, tokenizer, self._scheduler.exclusive())
     self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(
         t, attention=steps.attention, shards=e.tensor_parallel))
     self._compiles_at_warmup: int | None = None
@@ -185,22 +190,23 @@ class Engine:
 
   def executable_keys(self, batch_sizes: Sequence[int] | None = None,
                       prompt_lengths: Sequence[int] | None = None,
-                      phases: Sequence[str] = PHASES) -> list[tuple]:
+                      phases: Sequence[str] = SERVING_PHASES) -> list[tuple]:
     """Every (phase, bucket) executable the request path can use, optionally restricted
     (`cg_jax.executables`)."""
     return self.executables.keys(batch_sizes, prompt_lengths, phases)
 
   def warmup(self, *, batch_sizes: Sequence[int] | None = None,
-             prompt_lengths: Sequence[int] | None = None, phases: Sequence[str] = PHASES,
-             progress: bool = True) -> dict[str, float]:
+             prompt_lengths: Sequence[int] | None = None,
+             phases: Sequence[str] = SERVING_PHASES, progress: bool = True) -> dict[str, float]:
     """Compile every (phase, bucket) executable ahead of time and allocate the KV cache.
 
-    With the default buckets that is one executable per prompt bucket and batch bucket for
-    prefill, plus six per batch bucket (first token, decode step, device loop; greedy and
-    sampling): about 80, minutes of compilation. Narrow it to the buckets and phases you will
-    use (`batch_sizes`, `prompt_lengths`, `phases`: "prefill", "first", "decode", "loop"; the
-    host loop needs the first three) or build the engine with fewer buckets. The persistent
-    compilation cache makes a second start fast.
+    By default the executables that `generate`, `stream` and `submit` use: a prompt chunk per
+    prompt bucket, a greedy and a sampling decode step per batch bucket, the slot move and the
+    cache (with the default buckets, about 20). `generate(..., device_loop=True)` runs the
+    static path, whose executables ("prefill", "first", "loop", per batch and prompt bucket:
+    many more) compile on first use or with `phases=cg_jax.executables.PHASES`. Narrow it to the
+    buckets you will use (`batch_sizes`, `prompt_lengths`). The persistent compilation cache
+    makes a second start fast.
 
     Returns:
       {executable name: compile seconds} (small when served from the persistent cache).
@@ -225,6 +231,7 @@ class Engine:
         "warmup_seconds": sum(self.executables.compile_seconds.values()),
         "compilation_cache_dir": self.compilation_cache_dir,
         "dtype": self.dtype.name,
+        **self._scheduler.stats(),
         **self.config.as_dict(),
     }
 
@@ -262,15 +269,17 @@ class Engine:
     the ValueError / TypeError that `generate` would."""
     validation.reject_unknown("generate()", unknown)
     rows = validation.prompts(self._encode(inputs), self.model_config.vocab_size)
-    validation.lengths(rows, max_prompt_len=self.config.buckets.max_prompt_len,
-                       max_seq_len=self.config.max_seq_len, max_new_tokens=max_new_tokens)
+    if not isinstance(device_loop, (bool, np.bool_)):
+      raise TypeError(f"device_loop must be a bool, got {device_loop!r}")
+    # Prompts are prefilled in chunks, up to the cache; the static path takes one bucket.
+    longest = self.config.buckets.max_prompt_len if device_loop else self.config.max_seq_len - 1
+    validation.lengths(rows, max_prompt_len=longest, max_seq_len=self.config.max_seq_len,
+                       max_new_tokens=max_new_tokens)
     settings = validation.sampling(
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         eos_token_id=eos_token_id, default_eos=self.model_config.eos_token_id,
         vocab_size=self.model_config.vocab_size)
     stops = validation.stop_strings(stop, self.tokenizer is not None)
-    if not isinstance(device_loop, (bool, np.bool_)):
-      raise TypeError(f"device_loop must be a bool, got {device_loop!r}")
     return validation.Request(rows, max_new_tokens, settings, bool(device_loop), stops)
 
   def generate(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
@@ -298,7 +307,19 @@ class Engine:
     request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                             stop=stop, device_loop=device_loop, **unknown)
-    return self._generator.generate(request)
+    if request.device_loop:
+      return self._generator.generate(request)
+    start = time.perf_counter()
+    group = self._scheduler.submit(request)
+    try:
+      group.wait()
+    finally:
+      group.cancel()  # an interrupted wait frees the slots
+    texts = None
+    if self.tokenizer is not None:
+      texts = [_text(self.tokenizer, tokens, request.stop) for tokens in group.tokens]
+    return GenerationResult([list(t) for t in group.tokens], texts,
+                            self._call_stats(request, group, start))
 
   def stream(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -313,24 +334,107 @@ class Engine:
     request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                             stop=stop, device_loop=device_loop, **unknown)
-    return self._generator.stream(request)
+    if request.device_loop:
+      return self._generator.stream(request)
+    return self._stream(request, self._scheduler.submit(request))
+
+  def _stream(self, request: validation.Request, group) -> Iterator[StreamChunk]:
+    rows = None
+    if self.tokenizer is not None:
+      rows = [RowText(self.tokenizer, request.stop) for _ in request.rows]
+    step = 0
+    try:
+      for tokens in group.events():
+        texts = None if rows is None else {row: rows[row].push(t) for row, t in tokens.items()}
+        yield StreamChunk(step, tokens, texts)
+        step += 1
+      if rows is not None:
+        rest = {i: delta for i, row in enumerate(rows) if (delta := row.finish())}
+        if rest:
+          yield StreamChunk(step, {}, rest)
+    finally:
+      group.cancel()  # a stream closed early frees its slots
+
+  def submit(self, prompt, max_new_tokens: int = 32, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+             stop: str | Sequence[str] | None = None, timeout: float | None = None,
+             **unknown) -> Handle:
+    """Queue one request from any thread; returns its `Handle` at once.
+
+    Args:
+      prompt: a string (with a tokenizer) or a list of token ids.
+      timeout: seconds the request may take from now (None: no limit); past it the handle's
+        `result()` raises `cg_jax.scheduler.RequestTimeout`.
+      The rest: as `generate`.
+    Raises:
+      ValueError / TypeError for a bad request (nothing is queued);
+      `cg_jax.scheduler.QueueFull` when `max_waiting` requests wait already.
+    """
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                or not timeout > 0):
+      raise ValueError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+    if isinstance(prompt, np.ndarray):
+      prompt = prompt.tolist()
+    if not isinstance(prompt, (str, list, tuple)):
+      raise TypeError(f"prompt must be a string or a list of token ids, got "
+                      f"{type(prompt).__name__}")
+    request = self.validate([prompt], max_new_tokens, do_sample=do_sample,
+                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            eos_token_id=eos_token_id, stop=stop, **unknown)
+    return Handle(self._scheduler.submit(request, timeout), self.tokenizer, request.stop)
+
+  def _call_stats(self, request: validation.Request, group, start: float) -> dict[str, Any]:
+    end = group.finished_at or time.perf_counter()
+    first = group.first_token_at or end
+    total = sum(len(t) for t in group.tokens)
+    steps = max(max((len(t) for t in group.tokens), default=1) - 1, 1)
+    return dict(ttft_s=first - start, total_s=end - start, new_tokens=total,
+                per_token_s=(end - first) / steps, tokens_per_s=total / max(end - start, 1e-9),
+                device_loop=False, greedy=request.settings.greedy,
+                readback_lag=self.config.readback_lag)
+
+  def close(self) -> None:
+    """Finish: every queued or running request fails with `cg_jax.scheduler.EngineClosed`, and
+    the engine thread stops. The engine takes no more requests."""
+    self._scheduler.close()
+
+  def __enter__(self) -> "Engine":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   # ------------------------------------------------------------------------------------------------
   # KV-cache offload
 
   def swap_out(self) -> None:
-    """Move the KV cache to pinned host memory, freeing its device memory. A suspended
-    `stream()` continues exactly after `swap_in()`."""
+    """Move the KV cache to pinned host memory, freeing its device memory; running requests
+    pause (a suspended `stream()` continues exactly) until `swap_in()` or a new request, which
+    brings the cache back."""
     with self._lock:
+      self._scheduler.pause()
       self.kv_cache.swap_out()
 
   def swap_in(self) -> None:
     """Bring a swapped-out KV cache back to device memory."""
     with self._lock:
       self.kv_cache.swap_in()
+    self._scheduler.resume()
 
   @property
   def kv_cache_memory_kind(self) -> str | None:
     """"device", "pinned_host" (swapped out) or None (not allocated yet)."""
     return self.kv_cache.memory_kind
 
+
+
+def _text(tokenizer, tokens: list[int], stop: tuple[str, ...]) -> str:
+  """A request's text: decoded once, or cut before its first stop string."""
+  if not stop:
+    return text.decode(tokenizer, tokens)
+  row = RowText(tokenizer, stop)
+  for token in tokens:
+    row.push(token)
+  row.finish()
+  return row.text

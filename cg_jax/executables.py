@@ -2,12 +2,15 @@
 
 Keys (plain tuples, as `keys()` lists them):
   ("cache",)                      allocate the zeroed KV cache
-  ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket
-  ("first", batch, greedy)        the first token from prefill's logits
-  ("decode", batch, greedy)       one decode step
-  ("loop", batch, greedy)         `decode_loop_steps` decode steps in one call
+  ("chunk", length)               one prompt chunk of a prompt-length bucket into one cache slot
+  ("decode", batch, greedy)       one decode step over cache rows [0, batch)
+  ("move",)                       copy one cache row to another (slot compaction)
+  ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
+  ("first", batch, greedy)        the first token from prefill's logits (the static path)
+  ("loop", batch, greedy)         `decode_loop_steps` decode steps in one call (the device loop)
 
-`greedy` True is the executable without sampling arrays. Every executable takes and returns
+`greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
+uses the first four (`SERVING_PHASES`); `generate(..., device_loop=True)` the static ones. Every executable takes and returns
 the same placements, and the decode state (cache, tokens, positions) is donated, so each output
 reuses its input's buffer from step to step.
 """
@@ -30,7 +33,8 @@ from cg_jax.steps import LoopState, StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("prefill", "first", "decode", "loop")
+PHASES = ("chunk", "decode", "move", "prefill", "first", "loop")
+SERVING_PHASES = ("chunk", "decode", "move")
 
 
 class ExecutableTable:
@@ -51,7 +55,7 @@ class ExecutableTable:
 
   def keys(self, batch_sizes: Sequence[int] | None = None,
            prompt_lengths: Sequence[int] | None = None,
-           phases: Sequence[str] = PHASES) -> list[tuple]:
+           phases: Sequence[str] = SERVING_PHASES) -> list[tuple]:
     """Every key the request path can use, optionally restricted to some buckets and phases."""
     b = self.config.buckets
     batch_sizes = b.batch_sizes if batch_sizes is None else batch_sizes
@@ -65,6 +69,10 @@ class ExecutableTable:
       if odd:
         raise ValueError(f"{name} {odd} are not buckets of this engine; allowed {allowed}")
     keys: list[tuple] = [("cache",)]
+    if "chunk" in phases:
+      keys += [("chunk", length) for length in prompt_lengths]
+    if "move" in phases:
+      keys.append(("move",))
     for batch in batch_sizes:
       if "prefill" in phases:
         keys += [("prefill", batch, length) for length in prompt_lengths]
@@ -90,6 +98,12 @@ class ExecutableTable:
       c, e = self.model, self.config
       return (lambda: init_cache(c, e.buckets.max_batch, e.max_seq_len, self.dtype)), (), (), (), \
           "cache"
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    if phase == "move":
+      return steps.move, (cache, scalar, scalar), (0,), ("cache", rep, rep), "cache"
+    if phase == "chunk":
+      return (steps.chunk, (weights, cache, i32(1, key[1]), scalar, scalar, scalar,
+                            SamplingArrays.spec(1)), (1,), state + (rep,) * 5, (rep, "cache"))
     _, batch, extra = key
     if phase == "prefill":
       return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch)), (1,),

@@ -54,6 +54,10 @@ class CacheHolder:
     self._host = None
 
   @property
+  def swapped_out(self) -> bool:
+    return self._host is not None
+
+  @property
   def on_device(self) -> bool:
     return self._device is not None
 

@@ -6,6 +6,11 @@ ahead of time per bucket (`cg_jax.executables`):
   decode(weights, cache, tokens[B], positions[B], sampling)
                                               -> (emitted[B], tokens[B], positions[B], cache)
   decode_loop(weights, cache, LoopState, eos[E], sampling)  -> (LoopState, out[B,loop_steps], cache)
+  chunk(weights, cache, tokens[1,C], slot, start, length, sampling)  -> (token[1], cache)
+  move(cache, source, target)                                      -> cache
+
+A negative position marks an idle row of a decode step (a cache slot not decoding): it writes
+nothing, and stays negative.
 
 `sampling` is a `SamplingArrays` or None (the greedy-only executable). Shape letters: the README's
 table.
@@ -91,7 +96,7 @@ class StepFunctions:
 
   def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
     logits, cache = self._logits(self.split.merge(weights), tokens, positions, cache)
-    next_positions = positions + 1
+    next_positions = jnp.where(positions < 0, positions, positions + 1)
     next_tokens = select_tokens(logits, next_positions, sampling)
     # `emitted` is a copy for the host to read back asynchronously: `next_tokens` is donated
     # into the following step, which may start before the read-back finishes.
@@ -127,3 +132,30 @@ class StepFunctions:
 
     _, state, out, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, cache))
     return state, out, cache
+
+  def chunk(self, weights, cache: KVCache, tokens, slot, start, length, sampling):
+    """One chunk of a prompt for cache row `slot`: tokens [1, C] of which the first `length` are
+    real, at positions start.. start + length - 1 (int32 scalars); the keys before `start` are
+    in the cache already. Returns the token after the chunk's last real token, [1] (sampled with
+    `sampling` of one row; meaningful after a prompt's last chunk), and the cache."""
+    model = self.split.merge(weights)
+    size = tokens.shape[1]
+    offsets = jnp.arange(size, dtype=jnp.int32)
+    # [1, C]; padding past `length` is -1 (not written)
+    positions = jnp.where(offsets < length, start + offsets, -1)[None, :]
+    rows = jnp.reshape(slot, (1,)).astype(jnp.int32)
+    hidden, cache = model.extend_hidden(tokens, positions, rows, cache, attention=self.attention,
+                                        layer_loop="scan", shards=self.shards)
+    # [1, D]: the last real token's hidden state
+    last = jax.lax.dynamic_index_in_dim(hidden[0], jnp.maximum(length - 1, 0), keepdims=True)
+    logits = model.unembed(last)
+    return select_tokens(logits, jnp.reshape(start + length, (1,)), sampling), cache
+
+  @staticmethod
+  def move(cache: KVCache, source, target):
+    """cache rows: target <- source (int32 scalars), every layer."""
+    def one(array):
+      # [L, 1, T, K, H]
+      row = jax.lax.dynamic_slice_in_dim(array, source, 1, axis=1)
+      return jax.lax.dynamic_update_slice_in_dim(array, row, target, axis=1)
+    return KVCache(k=one(cache.k), v=one(cache.v))

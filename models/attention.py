@@ -13,7 +13,12 @@ parallelism, padded rows) with the same methods:
       as `causal`, and k, v written to cache layer `layer`, rows [0, B), positions [0, S).
   decode(q, k, v, positions, k_all, v_all, layer) -> (out, k_all, v_all)
       one new token per row: q [B, N, H]; k, v [B, K, H] are written at (layer, b, positions[b])
-      and q attends to keys 0..positions[b] of its row, the new one included. out [B, N, H].
+      and q attends to keys 0..positions[b] of its row, the new one included. out [B, N, H]. A
+      negative position marks an idle row: nothing is written and its output is zeros.
+  extend(q, k, v, positions, rows, k_all, v_all, layer) -> (out, k_all, v_all)
+      a chunk of C tokens per row at any cache offset: q [B, C, N, H]; k, v [B, C, K, H] are
+      written at (layer, rows[b], positions[b, c]) and each query attends to the keys of cache
+      row rows[b] up to its own position. Negative positions (padding) write nothing.
 
 k_all, v_all are the stacked caches [L, B', T, K, H] (B' >= B). `layer` is a Python int (layers
 unrolled) or a traced int32 scalar (`lax.scan`). Shape letters: the README's table.
@@ -62,10 +67,22 @@ def write_prompt(k, v, k_all, v_all, layer):
 
 
 def write_token(k, v, positions, k_all, v_all, layer):
-  """k, v [B, K, H] -> k_all, v_all [L, B', T, K, H] at (layer, b, positions[b]) (a scatter)."""
+  """k, v [B, K, H] -> k_all, v_all [L, B', T, K, H] at (layer, b, positions[b]) (a scatter;
+  rows with a negative position write nothing)."""
   rows = jnp.arange(k.shape[0])
-  k_all = k_all.at[layer, rows, positions].set(k.astype(k_all.dtype))
-  v_all = v_all.at[layer, rows, positions].set(v.astype(v_all.dtype))
+  # Out of range (T) is dropped; a negative index would wrap.
+  positions = jnp.where(positions < 0, k_all.shape[2], positions)
+  k_all = k_all.at[layer, rows, positions].set(k.astype(k_all.dtype), mode="drop")
+  v_all = v_all.at[layer, rows, positions].set(v.astype(v_all.dtype), mode="drop")
+  return k_all, v_all
+
+
+def write_chunk(k, v, positions, rows, k_all, v_all, layer):
+  """k, v [B, C, K, H] -> k_all, v_all [L, B', T, K, H] at (layer, rows[b], positions[b, c])
+  (negative positions write nothing)."""
+  positions = jnp.where(positions < 0, k_all.shape[2], positions)
+  k_all = k_all.at[layer, rows[:, None], positions].set(k.astype(k_all.dtype), mode="drop")
+  v_all = v_all.at[layer, rows[:, None], positions].set(v.astype(v_all.dtype), mode="drop")
   return k_all, v_all
 
 
@@ -88,7 +105,15 @@ class XlaAttention:
   def decode(self, q, k, v, positions, k_all, v_all, layer):
     k_all, v_all = write_token(k, v, positions, k_all, v_all, layer)
     batch, cache_len = q.shape[0], k_all.shape[2]
-    # [B, 1, T]
+    # [B, 1, T]; an idle row (negative position) sees no key
     mask = (jnp.arange(cache_len)[None, :] <= positions[:, None])[:, None, :]
-    out = softmax_attention(q[:, None], k_all[layer, :batch], v_all[layer, :batch], mask)
-    return out[:, 0], k_all, v_all
+    out = softmax_attention(q[:, None], k_all[layer, :batch], v_all[layer, :batch], mask)[:, 0]
+    return jnp.where((positions >= 0)[:, None, None], out, 0), k_all, v_all
+
+  def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
+    k_all, v_all = write_chunk(k, v, positions, rows, k_all, v_all, layer)
+    cache_len = k_all.shape[2]
+    # [B, C, T]: keys of the row up to each query's position
+    mask = jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]
+    out = softmax_attention(q, k_all[layer, rows], v_all[layer, rows], mask)
+    return out, k_all, v_all

@@ -374,6 +374,26 @@ class Decoder(nnx.Module):
     x, k_all, v_all = self._layers(x, positions[:, None], cache, attend, layer_loop, shards)
     return x[:, 0], KVCache(k=k_all, v=v_all)
 
+  def extend_hidden(self, tokens, positions, rows, cache: KVCache, *, attention=XlaAttention(),
+                    layer_loop: str = "scan", shards: int = 1):
+    """A chunk of tokens per row at any cache offset (chunked prefill): each token is written at
+    its position in cache row rows[b] and attends to that row's keys up to its own position.
+
+    Args:
+      tokens: int32 [B, C]; positions: int32 [B, C] (negative: padding, nothing written);
+      rows: int32 [B], the cache rows; cache: `KVCache` [L, B', T, K, H].
+    Returns:
+      (hidden states [B, C, D] before the final norm, updated cache).
+    """
+
+    def attend(q, k, v, k_all, v_all, layer):
+      return attention.extend(q, k, v, positions, rows, k_all, v_all, layer)
+
+    x = self._embed(tokens, jnp.maximum(positions, 0))
+    x, k_all, v_all = self._layers(x, jnp.maximum(positions, 0), cache, attend, layer_loop,
+                                   shards)
+    return x, KVCache(k=k_all, v=v_all)
+
   def decode(self, tokens, positions, cache: KVCache, *, attention=XlaAttention(),
              layer_loop: str = "scan", shards: int = 1):
     """`decode_hidden` and `unembed`: (float32 [B, V] next-token logits, updated cache)."""

@@ -47,7 +47,13 @@ def test_inputs_staged_through_pinned_host(engine, monkeypatch):
 
   monkeypatch.setattr(host_io.jax, "device_put", recording_device_put)
   engine.generate(_prompts(1, (4, 5, 6)), max_new_tokens=3, eos_token_id=[])
-  # Two runs (batch buckets 1, 2: rows 0-1, then row 2), each staged in two hops.
+  # Each prompt chunk and each new decode batch, staged in two hops.
+  assert len(placed) >= 2 * 4 and len(placed) % 2 == 0, placed
+  assert all(set(kinds) == {"pinned_host"} for kinds in placed[0::2]), placed
+  assert all(set(kinds) == {"device"} for kinds in placed[1::2]), placed
+  # ... and so does the static path's (two runs: rows 0-1, then row 2).
+  placed.clear()
+  engine.generate(_prompts(1, (4, 5, 6)), max_new_tokens=3, eos_token_id=[], device_loop=True)
   assert placed == [("pinned_host",) * 2, ("device",) * 2] * 2
 
 

@@ -12,8 +12,8 @@ cache along the key axis:
      reads only the blocks that hold keys below `lengths[b]`, and a split that lies entirely past
      the length reads nothing and reports m = -inf, l = 0, acc = 0.
   2. The per-split partials are combined in plain jnp (`combine_splits`, which XLA fuses): the
-     max over splits, each split rescaled by exp(m_split - m_max), summed, and divided by the summed denominator. A row with
-     no valid key (length 0) gets zeros, never NaN. When the cache fits one split, the kernel
+     max over splits, each split rescaled by exp(m_split - m_max), summed, and divided by the
+     summed denominator. A row with no valid key (length 0) gets zeros, never NaN. When the cache fits one split, the kernel
      normalises and writes the result itself: one kernel, no combine.
 
 Triton dots need every dimension >= 16 and power-of-two shapes, so the kernel handles the query

@@ -1,0 +1,562 @@
+"""Continuous batching over the KV cache's slots: one engine thread owns the device.
+
+Requests wait in a bounded FIFO. The engine thread loops:
+  1. retire: finished, cancelled and timed-out requests leave their slots; the last occupied
+     slot moves into each freed one (a cache-row copy), so the occupied slots stay [0, n);
+  2. admit: waiting requests take the free slots;
+  3. prefill: one chunk of one prompt (sizes from `prompt_buckets`, at any cache offset), so a
+     long prompt delays the running streams by one chunk per step; a request whose prompt is
+     complete joins the decode batch with its first token, sampled in the chunk's executable;
+  4. decode: one step over slots [0, bucket), the smallest batch bucket holding the occupied
+     slots; slots still prefilling are idle rows (position -1: no cache write, no attention).
+     Up to `readback_lag` steps are in flight; the batch changes only once none is.
+Tokens go to each caller's own buffer, so a slow or absent consumer never blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from cg_jax import host_io, text, validation
+from cg_jax.config import EngineConfig
+from cg_jax.executables import ExecutableTable
+from cg_jax.generation import RowText
+from cg_jax.kv_cache import CacheHolder
+from cg_jax.sampling import SamplingArrays
+
+
+class QueueFull(RuntimeError):
+  """The waiting queue holds `max_waiting` requests already."""
+
+
+class EngineClosed(RuntimeError):
+  """The engine was closed before the request finished."""
+
+
+class RequestTimeout(TimeoutError):
+  """The request ran past its `timeout`."""
+
+
+@dataclasses.dataclass
+class _Live:
+  """One request inside the scheduler (touched by the engine thread only, except `cancelled`)."""
+
+  group: "Group"
+  row: int  # index in its caller's batch: keys its seeded randomness
+  prompt: np.ndarray
+  max_new_tokens: int
+  settings: validation.SamplingSettings
+  text: RowText | None  # followed only to find stop strings
+  deadline: float | None
+  slot: int | None = None
+  prefilled: int = 0  # prompt tokens in the cache
+  token: int = 0  # the last token, fed to the next step
+  position: int = 0  # where `token` goes in the cache
+  emitted: int = 0
+  decoding: bool = False
+  finished: bool = False
+  cancelled: bool = False
+  admitted_at: float | None = None
+
+
+class Group:
+  """The tokens of one caller's requests (one `submit`, or the prompts of one `generate` or
+  `stream` call): each engine step that produced tokens for them is one event."""
+
+  def __init__(self, scheduler: "Scheduler", rows: int):
+    self._scheduler = scheduler
+    self._events: queue.SimpleQueue = queue.SimpleQueue()
+    self._done = threading.Event()
+    self.tokens: list[list[int]] = [[] for _ in range(rows)]
+    self.finish_reasons: list[str | None] = [None] * rows
+    self.error: BaseException | None = None
+    self.lives: list[_Live] = []
+    self.submitted_at = time.perf_counter()
+    self.first_token_at: float | None = None
+    self.finished_at: float | None = None
+    self._open = rows
+
+  # The engine thread's side.
+
+  def _emit(self, tokens: dict[int, int]) -> None:
+    if self.first_token_at is None:
+      self.first_token_at = time.perf_counter()
+    for row, token in tokens.items():
+      self.tokens[row].append(token)
+    self._events.put(tokens)
+
+  def _finish(self, row: int, reason: str) -> None:
+    if self._done.is_set():
+      return
+    self.finish_reasons[row] = reason
+    self._open -= 1
+    if self._open == 0:
+      self._close()
+
+  def _fail(self, error: BaseException) -> None:
+    """End the group with `error`; its other requests are cancelled."""
+    if not self._done.is_set():
+      self.error = error
+      for live in self.lives:
+        live.cancelled = True
+      self._close()
+
+  def _close(self) -> None:
+    self.finished_at = time.perf_counter()
+    self._events.put(None)
+    self._done.set()
+
+  # The caller's side.
+
+  @property
+  def done(self) -> bool:
+    return self._done.is_set()
+
+  def cancel(self) -> None:
+    """Stop the requests at the next step boundary; their slots are freed."""
+    if not self._done.is_set():
+      for live in self.lives:
+        live.cancelled = True
+      self._scheduler.wake()
+
+  def wait(self, timeout: float | None = None) -> None:
+    """Wait until every request finished; raises its error (or TimeoutError)."""
+    if not self._done.wait(timeout):
+      raise TimeoutError(f"the request did not finish within {timeout} s")
+    if self.error is not None:
+      raise self.error
+
+  def events(self, timeout: float | None = None) -> Iterator[dict[int, int]]:
+    """{row: token} per engine step, until every request finished (then raises its error)."""
+    while True:
+      try:
+        event = self._events.get(timeout=timeout)
+      except queue.Empty:
+        raise TimeoutError(f"no token within {timeout} s") from None
+      if event is None:
+        if self.error is not None:
+          raise self.error
+        return
+      yield event
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+  """One new token of a request, and its text delta (with a tokenizer)."""
+
+  token: int
+  text: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """A finished request: its new tokens, text (with a tokenizer), why it ended ("stop": EOS or
+  a stop string, "length": its budget) and its timings."""
+
+  tokens: list[int]
+  text: str | None
+  finish_reason: str
+  stats: dict[str, Any]
+
+
+class Handle:
+  """A submitted request. `result()` waits for it; iterating it (or `async for`) streams its
+  tokens as `Delta`s; `cancel()` (or dropping the handle) frees its slot at the next step."""
+
+  def __init__(self, group: Group, tokenizer, stop: tuple[str, ...]):
+    self._group, self._tokenizer, self._stop = group, tokenizer, stop
+
+  @property
+  def done(self) -> bool:
+    return self._group.done
+
+  def cancel(self) -> None:
+    self._group.cancel()
+
+  close = cancel
+
+  def __del__(self):
+    group = getattr(self, "_group", None)
+    if group is not None and not group.done:
+      group.cancel()
+
+  def __enter__(self) -> "Handle":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.cancel()
+
+  def result(self, timeout: float | None = None) -> Completion:
+    """The finished request (waits up to `timeout` seconds; TimeoutError past it)."""
+    group = self._group
+    group.wait(timeout)
+    tokens = group.tokens[0]
+    shown = None
+    if self._tokenizer is not None:
+      row = RowText(self._tokenizer, self._stop)
+      for token in tokens:
+        row.push(token)
+      row.finish()
+      shown = row.text
+    return Completion(tokens=list(tokens), text=shown, finish_reason=group.finish_reasons[0],
+                      stats=request_stats(group, group.lives[0]))
+
+  def __iter__(self) -> Iterator[Delta]:
+    row = None if self._tokenizer is None else RowText(self._tokenizer, self._stop)
+    for event in self._group.events():
+      token = event[0]
+      yield Delta(token, None if row is None else row.push(token))
+    if row is not None:
+      rest = row.finish()
+      if rest:
+        yield Delta(-1, rest)
+
+  async def __aiter__(self):
+    iterator = iter(self)
+    done = object()
+    while True:
+      delta = await asyncio.to_thread(next, iterator, done)
+      if delta is done:
+        return
+      yield delta
+
+
+def request_stats(group: Group, live: _Live) -> dict[str, Any]:
+  """Per-request timings in seconds: queue (submit to slot), ttft, per output token, total."""
+  tokens = len(group.tokens[live.row])
+  first, end = group.first_token_at, group.finished_at
+  return {
+      "queue_s": None if live.admitted_at is None else live.admitted_at - group.submitted_at,
+      "ttft_s": None if first is None else first - group.submitted_at,
+      "per_token_s": None if first is None or end is None else (end - first) / max(tokens - 1, 1),
+      "total_s": None if end is None else end - group.submitted_at,
+      "new_tokens": tokens,
+  }
+
+
+class Scheduler:
+  """The engine thread and its queues (see the module docstring).
+
+  Args:
+    config: the engine's config; table: its executables; cache: its KV cache.
+    weights: the flat weight list; inputs_at: where request arrays go; tokenizer: or None.
+    lock: the engine's lock, held for each loop iteration (swap-out and the static path wait).
+  """
+
+  def __init__(self, config: EngineConfig, table: ExecutableTable, cache: CacheHolder,
+               weights: list, inputs_at, tokenizer, lock: threading.RLock):
+    self.config, self.table, self.cache, self.weights = config, table, cache, weights
+    self.inputs_at, self.tokenizer, self.lock = inputs_at, tokenizer, lock
+    self._wakeup = threading.Condition()
+    self._waiting: collections.deque[_Live] = collections.deque()
+    self._slots: list[_Live] = []  # occupied slots [0, n)
+    self._reader = host_io.AsyncReader()  # (tokens, [live per row]) of steps in flight
+    self._inputs = None  # the decode inputs on the device, or None once the batch changed
+    self._thread: threading.Thread | None = None
+    self._closed = False
+    self._resume = True  # False while a swapped-out cache should stay out
+    self.counters = collections.Counter()
+    self._started = time.perf_counter()
+
+  # ------------------------------------------------------------------------------------------------
+  # Callers
+
+  def submit(self, request: validation.Request, timeout: float | None = None) -> Group:
+    """Queue a validated request's prompts; returns their group."""
+    group = Group(self, len(request.rows))
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    for row, prompt in enumerate(request.rows):
+      follow = RowText(self.tokenizer, request.stop) if request.stop else None
+      group.lives.append(_Live(group, row, prompt, request.max_new_tokens, request.settings,
+                               follow, deadline))
+    with self._wakeup:
+      if self._closed:
+        raise EngineClosed("the engine is closed")
+      if len(self._waiting) + len(group.lives) > self.config.max_waiting:
+        raise QueueFull(f"the waiting queue is full ({len(self._waiting)} requests waiting, "
+                        f"max_waiting={self.config.max_waiting}); retry later")
+      self._waiting.extend(group.lives)
+      self._resume = True  # a new request brings a swapped-out cache back
+      self.counters["submitted"] += len(group.lives)
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._run, name="cg_jax-engine", daemon=True)
+        self._thread.start()
+      self._wakeup.notify()
+    return group
+
+  def wake(self) -> None:
+    with self._wakeup:
+      self._wakeup.notify()
+
+  def pause(self) -> None:
+    """After a swap-out: running requests wait until `swap_in` or a new request."""
+    with self._wakeup:
+      self._resume = False
+
+  def resume(self) -> None:
+    with self._wakeup:
+      self._resume = True
+      self._wakeup.notify()
+
+  def idle(self) -> bool:
+    return not self._waiting and not self._slots
+
+  def exclusive(self) -> "Exclusive":
+    """A context holding the engine's lock while no request is queued or running (the static
+    path writes cache rows from 0)."""
+    return Exclusive(self)
+
+  def close(self) -> None:
+    """Fail every pending request with EngineClosed and stop the engine thread."""
+    with self._wakeup:
+      self._closed = True
+      self._wakeup.notify()
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join()
+
+  def stats(self) -> dict[str, Any]:
+    elapsed = time.perf_counter() - self._started
+    return {"running": len(self._slots), "waiting": len(self._waiting),
+            "slots": self.config.buckets.max_batch,
+            "slot_occupancy": len(self._slots) / self.config.buckets.max_batch,
+            "decode_steps": self.counters["decode_steps"],
+            "prefill_chunks": self.counters["chunks"],
+            "generated_tokens": self.counters["tokens"],
+            "tokens_per_s": self.counters["tokens"] / elapsed if elapsed > 0 else 0.0,
+            "requests_finished": self.counters["finished"]}
+
+  # ------------------------------------------------------------------------------------------------
+  # The engine thread
+
+  def _run(self) -> None:
+    while True:
+      with self._wakeup:
+        while not self._closed and (self.idle() or self._paused()):
+          self._wakeup.wait(timeout=0.05)
+        if self._closed:
+          break
+      try:
+        with self.lock:
+          if not self._paused():
+            self._iteration()  # (its first cache access swaps a swapped-out cache back in)
+      except Exception as error:  # noqa: BLE001 - a device failure ends every live request
+        self._fail_all(error)
+    self._fail_all(EngineClosed("the engine was closed before the request finished"))
+
+  def _paused(self) -> bool:
+    return self.cache.swapped_out and not self._resume
+
+  def _fail_all(self, error: BaseException) -> None:
+    with self._wakeup:
+      lives = list(self._slots) + list(self._waiting)
+      self._slots, self._inputs = [], None
+      self._waiting.clear()
+    self._reader = host_io.AsyncReader()
+    for live in lives:
+      live.finished = True
+      live.group._fail(error)
+
+  def _iteration(self) -> None:
+    now = time.perf_counter()
+    stale = [live for live in self._slots if live.cancelled or live.finished
+             or (live.deadline is not None and now > live.deadline)]
+    with self._wakeup:
+      startable = bool(self._waiting) and len(self._slots) < self.config.buckets.max_batch
+      stale = stale or any(w.cancelled or (w.deadline is not None and now > w.deadline)
+                           for w in self._waiting)
+    if stale or startable:
+      self._drain()
+      self._retire(now)
+      self._admit()
+    self._prefill_one()
+    self._decode()
+
+  def _drain(self) -> None:
+    while len(self._reader):
+      self._read_one()
+
+  def _retire(self, now: float) -> None:
+    """Free the slots of finished, cancelled and timed-out requests; keep slots [0, n)."""
+    for live in list(self._slots):
+      if not live.finished:
+        if live.cancelled:
+          self._end(live, "cancelled")
+        elif live.deadline is not None and now > live.deadline:
+          live.finished = True
+          live.group._fail(RequestTimeout("the request ran past its timeout"))
+      if live.finished:
+        self._release(live)
+    with self._wakeup:
+      for live in [w for w in self._waiting if w.cancelled
+                   or (w.deadline is not None and now > w.deadline)]:
+        self._waiting.remove(live)
+        if live.cancelled:
+          self._end(live, "cancelled")
+        else:
+          live.finished = True
+          live.group._fail(RequestTimeout("the request ran past its timeout while waiting"))
+
+  def _release(self, live: _Live) -> None:
+    last = self._slots[-1]
+    if last is not live:
+      self.cache.set(self.table.get(("move",))(self.cache.get(), np.int32(last.slot),
+                                              np.int32(live.slot)))
+      self._slots[live.slot], last.slot = last, live.slot
+    self._slots.pop()
+    self._inputs = None
+
+  def _admit(self) -> None:
+    with self._wakeup:
+      while self._waiting and len(self._slots) < self.config.buckets.max_batch:
+        live = self._waiting.popleft()
+        live.slot, live.admitted_at = len(self._slots), time.perf_counter()
+        self._slots.append(live)
+        self._inputs = None
+
+  def _prefill_one(self) -> None:
+    """One chunk of the first request still prefilling; with its last chunk it joins."""
+    live = next((x for x in self._slots if x.prefilled < len(x.prompt)), None)
+    if live is None:
+      return
+    lengths = self.config.buckets.prompt_lengths
+    left = len(live.prompt) - live.prefilled
+    size = next((n for n in lengths if n >= left), lengths[-1])
+    length = min(size, left)
+    tokens = np.zeros((1, size), np.int32)
+    tokens[0, :length] = live.prompt[live.prefilled:live.prefilled + length]
+    s = live.settings
+    sampling = SamplingArrays.host(1, temperature=0.0 if s.greedy else s.temperature,
+                                   top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                                   rows=np.asarray([live.row]))
+    staged = host_io.stage((tokens, sampling), self.inputs_at)
+    token, cache = self.table.get(("chunk", size))(
+        self.weights, self.cache.get(), staged[0], np.int32(live.slot), np.int32(live.prefilled),
+        np.int32(length), staged[1])
+    self.cache.set(cache)
+    self.counters["chunks"] += 1
+    live.prefilled += length
+    if live.prefilled == len(live.prompt):
+      live.position = len(live.prompt)
+      live.decoding = True
+      self._inputs = None
+      self._deliver([(live, int(np.asarray(token)[0]))])
+
+  def _deliver(self, new: list[tuple[_Live, int]]) -> None:
+    """One step's new tokens: emitted to their groups (one event per group), then each request
+    ends on EOS, its budget or a stop string."""
+    by_group: dict[Group, dict[int, int]] = {}
+    ends = []
+    for live, token in new:
+      live.token, live.emitted = token, live.emitted + 1
+      by_group.setdefault(live.group, {})[live.row] = token
+      self.counters["tokens"] += 1
+      if token in live.settings.eos_ids:
+        ends.append((live, "stop"))
+      elif live.emitted >= live.max_new_tokens:
+        ends.append((live, "length"))
+      elif live.text is not None:
+        try:
+          live.text.push(token)
+        except Exception as error:  # noqa: BLE001 - a tokenizer failure ends this request only
+          ends.append((live, error))
+          continue
+        if live.text.stopped:
+          ends.append((live, "stop"))
+    for group, tokens in by_group.items():
+      group._emit(tokens)
+    for live, reason in ends:
+      if isinstance(reason, BaseException):
+        live.finished = True
+        live.group._fail(reason)
+      else:
+        self._end(live, reason)
+
+  def _end(self, live: _Live, reason: str) -> None:
+    if not live.finished:
+      live.finished = True
+      self.counters["finished"] += 1
+      live.group._finish(live.row, reason)
+
+  def _decode(self) -> None:
+    """Launch one decode step if a request decodes, keeping up to `readback_lag` in flight."""
+    if self._inputs is None:
+      self._drain()  # the new batch is built from every row's latest token
+    rows = [live if live.decoding and not live.finished else None for live in self._slots]
+    if not any(rows):
+      return
+    # Steps already in flight cover this many tokens of each row; launch only if one needs more.
+    flight = len(self._reader)
+    if all(live is None or live.emitted + flight >= live.max_new_tokens for live in rows):
+      self._drain()
+      return
+    batch = self.config.buckets.batch_bucket(len(rows))
+    greedy = all(live is None or live.settings.greedy for live in rows)
+    if self._inputs is None:
+      tokens = np.zeros((batch,), np.int32)
+      positions = np.full((batch,), -1, np.int32)
+      for b, live in enumerate(rows):
+        if live is not None:
+          tokens[b], positions[b] = live.token, live.position
+      sampling = None if greedy else self._sampling(rows, batch)
+      self._inputs = host_io.stage((tokens, positions, sampling), self.inputs_at)
+    tokens, positions, sampling = self._inputs
+    emitted, tokens, positions, cache = self.table.get(("decode", batch, greedy))(
+        self.weights, self.cache.get(), tokens, positions, sampling)
+    self.cache.set(cache)
+    self._inputs = (tokens, positions, sampling)
+    self._reader.push(emitted, rows)
+    self.counters["decode_steps"] += 1
+    if len(self._reader) > self.config.readback_lag:
+      self._read_one()
+
+  @staticmethod
+  def _sampling(rows: list[_Live | None], batch: int) -> SamplingArrays:
+    temperature = np.zeros((batch,), np.float32)
+    top_k = np.zeros((batch,), np.int32)
+    top_p = np.ones((batch,), np.float32)
+    seed = np.zeros((batch,), np.uint32)
+    row = np.zeros((batch,), np.int32)
+    for b, live in enumerate(rows):
+      if live is not None:
+        s = live.settings
+        temperature[b] = 0.0 if s.greedy else s.temperature
+        top_k[b], top_p[b], seed[b], row[b] = s.top_k, s.top_p, s.seed, live.row
+    return SamplingArrays(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, row=row)
+
+  def _read_one(self) -> None:
+    """The oldest step in flight: its tokens go to their requests."""
+    tokens, rows = self._reader.pop()
+    new = []
+    for b, live in enumerate(rows):
+      if live is not None and not live.finished:
+        live.position += 1
+        new.append((live, int(tokens[b])))
+    self._deliver(new)
+
+
+class Exclusive:
+  """See `Scheduler.exclusive`."""
+
+  def __init__(self, scheduler: Scheduler):
+    self._scheduler = scheduler
+
+  def __enter__(self):
+    lock = self._scheduler.lock
+    while True:
+      lock.acquire()
+      if self._scheduler.idle():
+        return self
+      lock.release()
+      time.sleep(0.001)
+
+  def __exit__(self, *exc):
+    self._scheduler.lock.release()

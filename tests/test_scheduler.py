@@ -1,0 +1,192 @@
+"""Continuous batching: requests from many threads over fewer KV-cache slots get the tokens they
+get alone; chunked prefill; cancellation, timeouts, a full queue and close(); no compilation
+after warm-up and no thread left behind."""
+
+import asyncio
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cg_jax import Engine, compile_stats
+from cg_jax.scheduler import EngineClosed, QueueFull, RequestTimeout
+
+OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16))
+
+
+def _prompts(seed, count, vocab=263):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(2, vocab, (int(rng.integers(1, 40)),)).tolist() for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+  engine = Engine.from_pretrained("tiny-llama", **OPTIONS)
+  engine.warmup(progress=False)
+  yield engine
+  engine.close()
+
+
+def _engine_threads():
+  return [t for t in threading.enumerate() if t.name == "cg_jax-engine"]
+
+
+def test_concurrent_requests_equal_their_solo_runs(engine):
+  """50 requests of different lengths and budgets, submitted from 8 threads in random order
+  into 4 slots: each one's greedy tokens equal the same request alone, and seeded sampling the
+  same seed alone; nothing compiles."""
+  prompts = _prompts(0, 50)
+  rng = np.random.default_rng(1)
+  budgets = [int(rng.integers(1, 64 - len(p) + 1)) for p in prompts]
+  budgets = [min(b, 20) for b in budgets]
+  sampled = [bool(i % 3 == 0) for i in range(50)]
+
+  def options(i):
+    if sampled[i]:
+      return dict(do_sample=True, temperature=0.9, top_k=20, seed=100 + i)
+    return {}
+
+  solo = [engine.generate([p], max_new_tokens=b, eos_token_id=[], **options(i))[0]
+          for i, (p, b) in enumerate(zip(prompts, budgets))]
+  before = compile_stats.compile_count()
+  order = rng.permutation(50)
+  results = [None] * 50
+
+  def worker(indices):
+    handles = [(i, engine.submit(prompts[i], budgets[i], eos_token_id=[], **options(i)))
+               for i in indices]
+    for i, handle in handles:
+      results[i] = handle.result(timeout=120).tokens
+
+  threads = [threading.Thread(target=worker, args=(order[k::8],)) for k in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=300)
+  assert results == solo
+  assert compile_stats.compile_count() == before
+  stats = engine.stats()
+  assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+def test_a_generate_list_is_several_requests(engine):
+  """A list of prompts in one call is several requests: each row equals itself alone, with
+  more rows than slots."""
+  prompts = _prompts(2, 7)
+  together = engine.generate(prompts, max_new_tokens=6, eos_token_id=[])
+  assert list(together) == [engine.generate([p], max_new_tokens=6, eos_token_id=[])[0]
+                            for p in prompts]
+
+
+def test_long_prompts_are_chunked_and_equal_one_chunk():
+  """Prompts longer than every chunk size (8), up to the cache, give the tokens of an engine
+  whose chunk holds the whole prompt."""
+  small = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1, 2),
+                                 prompt_buckets=(8,))
+  whole = small.with_options(prompt_buckets=(63,))
+  prompts = [list(range(3, 60)), list(range(100, 121))]
+  expected = whole.generate(prompts, max_new_tokens=6, eos_token_id=[])
+  assert small.generate(prompts, max_new_tokens=6, eos_token_id=[]) == expected
+  assert small.generate([list(range(2, 64))], max_new_tokens=1, eos_token_id=[])[0] == \
+      whole.generate([list(range(2, 64))], max_new_tokens=1, eos_token_id=[])[0]
+  assert small.stats()["prefill_chunks"] >= 8 + 3
+  small.close()
+  whole.close()
+
+
+def test_generate_inside_a_suspended_stream(engine):
+  """A generate() while the same thread holds a suspended stream, and callers behind a stream
+  nobody consumes, get their own tokens at once; the stream's tokens are unchanged."""
+  prompt, other = _prompts(3, 2)
+  alone = engine.generate([prompt], max_new_tokens=12, eos_token_id=[])[0]
+  other_alone = engine.generate([other], max_new_tokens=12, eos_token_id=[])[0]
+  stream = engine.stream([prompt], max_new_tokens=12, eos_token_id=[])
+  first = [next(stream) for _ in range(3)]
+  start = time.perf_counter()
+  assert engine.generate([other], max_new_tokens=12, eos_token_id=[])[0] == other_alone
+  kept = engine.stream([other], max_new_tokens=12, eos_token_id=[])
+  next(kept)  # held, never consumed again
+  assert engine.submit(other, 12, eos_token_id=[]).result(timeout=30).tokens == other_alone
+  assert time.perf_counter() - start < 30
+  rest = list(stream)
+  assert [c.tokens[0] for c in first + rest] == alone
+  kept.close()
+
+
+def test_cancel_frees_the_slot(engine):
+  prompts = _prompts(4, 6)
+  handles = [engine.submit(p, 40 - len(p) // 2, eos_token_id=[]) for p in prompts]
+  handles[1].cancel()
+  handles[4].cancel()
+  expected = engine.generate([prompts[0]], max_new_tokens=40 - len(prompts[0]) // 2,
+                             eos_token_id=[])[0]
+  assert handles[0].result(timeout=60).tokens == expected
+  for i in (1, 4):
+    result = handles[i].result(timeout=60)
+    assert result.finish_reason == "cancelled"
+  # A dropped handle cancels its request.
+  engine.submit(prompts[2], 30, eos_token_id=[])
+  gc.collect()
+  deadline = time.perf_counter() + 30
+  while engine.stats()["running"] + engine.stats()["waiting"] and time.perf_counter() < deadline:
+    time.sleep(0.01)
+  for handle in handles:
+    handle.result(timeout=60)
+  assert engine.stats()["running"] == 0
+
+
+def test_timeout_fails_only_that_request(engine):
+  slow = engine.submit(list(range(3, 13)), 40, eos_token_id=[], timeout=1e-4)
+  ok = engine.submit([5, 6, 7], 5, eos_token_id=[])
+  with pytest.raises(RequestTimeout):
+    slow.result(timeout=60)
+  assert len(ok.result(timeout=60).tokens) == 5
+
+
+def test_bad_submissions_never_reach_the_queue(engine):
+  with pytest.raises(ValueError, match="token ids must be in"):
+    engine.submit([1, 999], 4)
+  with pytest.raises(ValueError, match="timeout must be None or a number of seconds > 0"):
+    engine.submit([1, 2], 4, timeout=0)
+  with pytest.raises(TypeError, match="prompt must be a string or a list of token ids"):
+    engine.submit(7, 4)
+  assert engine.stats()["waiting"] == 0
+
+
+def test_queue_overflow_is_an_error():
+  engine = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1,),
+                                  prompt_buckets=(16,), max_waiting=2)
+  with engine:
+    handles = []
+    with pytest.raises(QueueFull, match="max_waiting=2"):
+      for _ in range(50):
+        handles.append(engine.submit([3, 4, 5], 40, eos_token_id=[]))
+    for handle in handles:
+      handle.result(timeout=60)
+
+
+def test_async_iteration(engine):
+  prompt = _prompts(6, 1)[0]
+  expected = engine.generate([prompt], max_new_tokens=8, eos_token_id=[])[0]
+
+  async def collect():
+    return [delta.token async for delta in engine.submit(prompt, 8, eos_token_id=[])]
+
+  assert asyncio.run(collect()) == expected
+
+
+def test_close_fails_pending_requests_and_leaves_no_thread():
+  before = set(_engine_threads())
+  engine = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1,),
+                                  prompt_buckets=(16,))
+  handles = [engine.submit([3, 4, 5], 55, eos_token_id=[]) for _ in range(4)]
+  assert len(set(_engine_threads()) - before) == 1
+  engine.close()
+  for handle in handles:
+    with pytest.raises(EngineClosed):
+      handle.result(timeout=30)
+  with pytest.raises(EngineClosed):
+    engine.submit([3], 2)
+  assert set(_engine_threads()) <= before
