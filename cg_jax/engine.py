@@ -399,6 +399,11 @@ class Engine:
     the engine thread stops. The engine takes no more requests."""
     self._scheduler.close()
 
+  def __del__(self):
+    scheduler = getattr(self, "_scheduler", None)
+    if scheduler is not None:
+      scheduler.close(wait=False)  # its thread ends; nothing else holds the engine's requests
+
   def __enter__(self) -> "Engine":
     return self
 

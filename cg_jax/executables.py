@@ -2,7 +2,9 @@
 
 Keys (plain tuples, as `keys()` lists them):
   ("cache",)                      allocate the zeroed KV cache
-  ("chunk", length)               one prompt chunk of a prompt-length bucket into one cache slot
+  ("prompts", batch, length)      the first chunk of `batch` prompts into their cache slots
+                                  (batch: the batch buckets up to PROMPT_BATCH)
+  ("chunk", length)               a later chunk of one prompt, at a cache offset
   ("decode", batch, greedy)       one decode step over cache rows [0, batch)
   ("move",)                       copy one cache row to another (slot compaction)
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
@@ -10,7 +12,7 @@ Keys (plain tuples, as `keys()` lists them):
   ("loop", batch, greedy)         `decode_loop_steps` decode steps in one call (the device loop)
 
 `greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
-uses the first four (`SERVING_PHASES`); `generate(..., device_loop=True)` the static ones. Every executable takes and returns
+uses the first five (`SERVING_PHASES`); `generate(..., device_loop=True)` the static ones. Every executable takes and returns
 the same placements, and the decode state (cache, tokens, positions) is donated, so each output
 reuses its input's buffer from step to step.
 """
@@ -33,8 +35,10 @@ from cg_jax.steps import LoopState, StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("chunk", "decode", "move", "prefill", "first", "loop")
-SERVING_PHASES = ("chunk", "decode", "move")
+PHASES = ("prompts", "chunk", "decode", "move", "prefill", "first", "loop")
+SERVING_PHASES = ("prompts", "chunk", "decode", "move")
+# The most prompts prefilled together by the scheduler.
+PROMPT_BATCH = 8
 
 
 class ExecutableTable:
@@ -69,6 +73,9 @@ class ExecutableTable:
       if odd:
         raise ValueError(f"{name} {odd} are not buckets of this engine; allowed {allowed}")
     keys: list[tuple] = [("cache",)]
+    if "prompts" in phases:
+      keys += [("prompts", batch, length) for batch in self.prompt_batches()
+               if batch in batch_sizes for length in prompt_lengths]
     if "chunk" in phases:
       keys += [("chunk", length) for length in prompt_lengths]
     if "move" in phases:
@@ -80,6 +87,11 @@ class ExecutableTable:
         if phase in phases:
           keys += [(phase, batch, True), (phase, batch, False)]
     return keys
+
+  def prompt_batches(self) -> tuple[int, ...]:
+    """The batch buckets up to PROMPT_BATCH: how many prompts a "prompts" executable takes."""
+    return tuple(b for b in self.config.buckets.batch_sizes if b <= PROMPT_BATCH) or (
+        self.config.buckets.batch_sizes[0],)
 
   def cache_spec(self) -> KVCache:
     c, e = self.model, self.config
@@ -101,6 +113,11 @@ class ExecutableTable:
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     if phase == "move":
       return steps.move, (cache, scalar, scalar), (0,), ("cache", rep, rep), "cache"
+    if phase == "prompts":
+      _, batch, length = key
+      return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), i32(batch),
+                              SamplingArrays.spec(batch)), (1,), state + (rep,) * 4,
+              (rep, "cache"))
     if phase == "chunk":
       return (steps.chunk, (weights, cache, i32(1, key[1]), scalar, scalar, scalar,
                             SamplingArrays.spec(1)), (1,), state + (rep,) * 5, (rep, "cache"))

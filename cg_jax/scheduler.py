@@ -4,9 +4,11 @@ Requests wait in a bounded FIFO. The engine thread loops:
   1. retire: finished, cancelled and timed-out requests leave their slots; the last occupied
      slot moves into each freed one (a cache-row copy), so the occupied slots stay [0, n);
   2. admit: waiting requests take the free slots;
-  3. prefill: one chunk of one prompt (sizes from `prompt_buckets`, at any cache offset), so a
-     long prompt delays the running streams by one chunk per step; a request whose prompt is
-     complete joins the decode batch with its first token, sampled in the chunk's executable;
+  3. prefill: one executable between two decode steps: the first chunks of the newly admitted
+     prompts together (up to PROMPT_BATCH prompts and PREFILL_TOKENS padded tokens, chunk sizes
+     from `prompt_buckets`), or else the next chunk of one longer prompt at its cache offset; so
+     a long prompt delays the running streams by one chunk per step. A request whose prompt is
+     complete joins the decode batch with its first token, sampled in that executable;
   4. decode: one step over slots [0, bucket), the smallest batch bucket holding the occupied
      slots; slots still prefilling are idle rows (position -1: no cache write, no attention).
      Up to `readback_lag` steps are in flight; the batch changes only once none is.
@@ -16,11 +18,13 @@ Tokens go to each caller's own buffer, so a slow or absent consumer never blocks
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import dataclasses
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +36,11 @@ from cg_jax.executables import ExecutableTable
 from cg_jax.generation import RowText
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.sampling import SamplingArrays
+
+
+# Padded prompt tokens one "prompts" call may take (its batch x chunk size), in units of the
+# largest prompt bucket.
+PREFILL_TOKENS = 8
 
 
 class QueueFull(RuntimeError):
@@ -290,6 +299,7 @@ class Scheduler:
       if self._thread is None:
         self._thread = threading.Thread(target=self._run, name="cg_jax-engine", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
       self._wakeup.notify()
     return group
 
@@ -315,19 +325,22 @@ class Scheduler:
     path writes cache rows from 0)."""
     return Exclusive(self)
 
-  def close(self) -> None:
-    """Fail every pending request with EngineClosed and stop the engine thread."""
+  def close(self, wait: bool = True) -> None:
+    """Fail every pending request with EngineClosed and stop the engine thread (joined unless
+    `wait` is False)."""
     with self._wakeup:
       self._closed = True
       self._wakeup.notify()
-    if self._thread is not None and self._thread is not threading.current_thread():
-      self._thread.join()
+    thread = self._thread
+    if wait and thread is not None and thread is not threading.current_thread():
+      thread.join()
 
   def stats(self) -> dict[str, Any]:
     elapsed = time.perf_counter() - self._started
-    return {"running": len(self._slots), "waiting": len(self._waiting),
+    running = sum(not live.finished for live in self._slots)
+    return {"running": running, "waiting": len(self._waiting),
             "slots": self.config.buckets.max_batch,
-            "slot_occupancy": len(self._slots) / self.config.buckets.max_batch,
+            "slot_occupancy": running / self.config.buckets.max_batch,
             "decode_steps": self.counters["decode_steps"],
             "prefill_chunks": self.counters["chunks"],
             "generated_tokens": self.counters["tokens"],
@@ -377,7 +390,7 @@ class Scheduler:
       self._drain()
       self._retire(now)
       self._admit()
-    self._prefill_one()
+    self._prefill()
     self._decode()
 
   def _drain(self) -> None:
@@ -422,33 +435,74 @@ class Scheduler:
         self._slots.append(live)
         self._inputs = None
 
-  def _prefill_one(self) -> None:
-    """One chunk of the first request still prefilling; with its last chunk it joins."""
-    live = next((x for x in self._slots if x.prefilled < len(x.prompt)), None)
+  def _prefill(self) -> None:
+    """The first chunks of the new prompts together, or else the next chunk of one prompt."""
+    lengths = self.config.buckets.prompt_lengths
+    fresh = [x for x in self._slots if x.prefilled == 0 and not x.finished]
+    if fresh:
+      self._first_chunks(fresh, lengths)
+      return
+    live = next((x for x in self._slots if x.prefilled < len(x.prompt) and not x.finished),
+                None)
     if live is None:
       return
-    lengths = self.config.buckets.prompt_lengths
     left = len(live.prompt) - live.prefilled
     size = next((n for n in lengths if n >= left), lengths[-1])
     length = min(size, left)
     tokens = np.zeros((1, size), np.int32)
     tokens[0, :length] = live.prompt[live.prefilled:live.prefilled + length]
-    s = live.settings
-    sampling = SamplingArrays.host(1, temperature=0.0 if s.greedy else s.temperature,
-                                   top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                                   rows=np.asarray([live.row]))
-    staged = host_io.stage((tokens, sampling), self.inputs_at)
+    staged = host_io.stage((tokens, self._sampling([live], 1)), self.inputs_at)
     token, cache = self.table.get(("chunk", size))(
         self.weights, self.cache.get(), staged[0], np.int32(live.slot), np.int32(live.prefilled),
         np.int32(length), staged[1])
     self.cache.set(cache)
     self.counters["chunks"] += 1
     live.prefilled += length
-    if live.prefilled == len(live.prompt):
-      live.position = len(live.prompt)
-      live.decoding = True
+    self._join([live], np.asarray(token))
+
+  def _first_chunks(self, fresh: list[_Live], lengths: tuple[int, ...]) -> None:
+    """The first chunk of up to PROMPT_BATCH new prompts in one "prompts" call."""
+    batches = self.table.prompt_batches()
+    budget = PREFILL_TOKENS * lengths[-1]
+
+    def chunk_size(group):
+      longest = min(max(len(x.prompt) for x in group), lengths[-1])
+      return next(n for n in lengths if n >= longest)
+
+    group = [fresh[0]]
+    for live in fresh[1:]:
+      if len(group) == batches[-1]:
+        break
+      candidate = group + [live]
+      rows = next(b for b in batches if b >= len(candidate))
+      if rows * chunk_size(candidate) > budget:
+        break
+      group = candidate
+    size, rows = chunk_size(group), next(b for b in batches if b >= len(group))
+    tokens = np.zeros((rows, size), np.int32)
+    counts = np.zeros((rows,), np.int32)  # padding rows: length 0, nothing written
+    slots = np.zeros((rows,), np.int32)
+    for b, live in enumerate(group):
+      counts[b] = min(size, len(live.prompt))
+      tokens[b, :counts[b]] = live.prompt[:counts[b]]
+      slots[b] = live.slot
+    staged = host_io.stage((tokens, counts, slots, self._sampling(group, rows)), self.inputs_at)
+    first, cache = self.table.get(("prompts", rows, size))(self.weights, self.cache.get(),
+                                                           *staged)
+    self.cache.set(cache)
+    self.counters["chunks"] += 1
+    for b, live in enumerate(group):
+      live.prefilled = int(counts[b])
+    self._join(group, np.asarray(first))
+
+  def _join(self, lives: list[_Live], tokens: np.ndarray) -> None:
+    """Requests whose chunk completed their prompt join the decode batch with its token."""
+    done = [(live, int(tokens[b])) for b, live in enumerate(lives)
+            if live.prefilled == len(live.prompt)]
+    for live, _ in done:
+      live.position, live.decoding = len(live.prompt), True
       self._inputs = None
-      self._deliver([(live, int(np.asarray(token)[0]))])
+    self._deliver(done)
 
   def _deliver(self, new: list[tuple[_Live, int]]) -> None:
     """One step's new tokens: emitted to their groups (one event per group), then each request
@@ -520,6 +574,7 @@ class Scheduler:
 
   @staticmethod
   def _sampling(rows: list[_Live | None], batch: int) -> SamplingArrays:
+    """Per-row sampling arrays of `batch` rows (None and padding rows: greedy)."""
     temperature = np.zeros((batch,), np.float32)
     top_k = np.zeros((batch,), np.int32)
     top_p = np.ones((batch,), np.float32)
@@ -560,3 +615,14 @@ class Exclusive:
 
   def __exit__(self, *exc):
     self._scheduler.lock.release()
+
+
+# Schedulers whose engine thread runs: stopped before the interpreter exits (a daemon thread
+# still inside XLA at exit aborts the process).
+_RUNNING: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_running() -> None:
+  for scheduler in list(_RUNNING):
+    scheduler.close()

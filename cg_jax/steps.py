@@ -6,6 +6,7 @@ ahead of time per bucket (`cg_jax.executables`):
   decode(weights, cache, tokens[B], positions[B], sampling)
                                               -> (emitted[B], tokens[B], positions[B], cache)
   decode_loop(weights, cache, LoopState, eos[E], sampling)  -> (LoopState, out[B,loop_steps], cache)
+  prompts(weights, cache, tokens[B,S], lengths[B], slots[B], sampling) -> (tokens[B], cache)
   chunk(weights, cache, tokens[1,C], slot, start, length, sampling)  -> (token[1], cache)
   move(cache, source, target)                                      -> cache
 
@@ -24,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cg_jax.attention import RealRows
+from cg_jax.attention import IntoSlots, RealRows
 from cg_jax.config import ForwardConfig
 from cg_jax.sampling import SamplingArrays, select_tokens
 from cg_jax.weights import SplitModel
@@ -132,6 +133,16 @@ class StepFunctions:
 
     _, state, out, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, cache))
     return state, out, cache
+
+  def prompts(self, weights, cache: KVCache, tokens, lengths, slots, sampling):
+    """The first chunk of B prompts, into cache rows `slots` [B] at positions 0..lengths[b] - 1
+    (a padding row has length 0 and writes nothing); returns each row's next token [B], sampled
+    with `sampling` (one row each), and the cache."""
+    model = self.split.merge(weights)
+    logits, cache = model.prefill(tokens, lengths, cache,
+                                  attention=IntoSlots(self.attention, slots), layer_loop="scan",
+                                  shards=self.shards)
+    return select_tokens(logits, lengths, sampling), cache
 
   def chunk(self, weights, cache: KVCache, tokens, slot, start, length, sampling):
     """One chunk of a prompt for cache row `slot`: tokens [1, C] of which the first `length` are
