@@ -7,8 +7,8 @@ contract and the plain-XLA reference).
                    Prompt chunks at a cache offset (`extend`) run as XLA ops.
                    Under tensor parallelism each kernel runs per device on its heads
                    (`shard_map`: a Pallas call is opaque to XLA's SPMD partitioner).
-  IntoSlots        prompts written to given cache rows (scheduler slots) instead of rows
-                   [0, B), attended by the inner implementation's `causal` (flash on GPU).
+  AtRows           prompts written to cache rows [first, first + B) (scheduler slots) instead
+                   of [0, B), attended by the inner implementation's `causal` (flash on GPU).
   RealRows         decode over the first `rows` rows of a step whose hidden state is padded to
                    more rows (`ForwardConfig.min_matmul_rows`): the padding rows get zeros and
                    never touch the cache or the attention kernel.
@@ -29,7 +29,7 @@ from cg_jax.config import ForwardConfig
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_with_write)
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
-from models.attention import XlaAttention, write_chunk, write_prompt, write_token
+from models.attention import XlaAttention, write_prompt, write_token
 
 
 def interpret_pallas() -> bool:
@@ -129,18 +129,15 @@ class RealRows:
 
 
 @dataclasses.dataclass(frozen=True)
-class IntoSlots:
-  """Prompts of B rows written to cache rows `slots` [B] (positions past a row's length are
-  not written), their attention the inner implementation's causal one."""
+class AtRows:
+  """Prompts of B rows written to cache rows [first, first + B) (`first` may be traced; the
+  caller keeps first + B within the cache's rows), attended causally by `inner`."""
 
   inner: Any
-  slots: Any
+  first: Any
 
   def prefill(self, q, k, v, lengths, k_all, v_all, layer):
-    # [B, S]: the row's positions, -1 past its length (not written)
-    offsets = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-    positions = jnp.where(offsets < lengths[:, None], offsets, -1)
-    k_all, v_all = write_chunk(k, v, positions, self.slots, k_all, v_all, layer)
+    k_all, v_all = write_prompt(k, v, k_all, v_all, layer, row=self.first)
     return self.inner.causal(q, k, v, lengths), k_all, v_all
 
 

@@ -2,7 +2,7 @@
 
 Keys (plain tuples, as `keys()` lists them):
   ("cache",)                      allocate the zeroed KV cache
-  ("prompts", batch, length)      the first chunk of `batch` prompts into their cache slots
+  ("prompts", batch, length)      the first chunk of `batch` prompts into consecutive cache slots
                                   (batch: the batch buckets up to PROMPT_BATCH)
   ("chunk", length)               a later chunk of one prompt, at a cache offset
   ("decode", batch, greedy)       one decode step over cache rows [0, batch)
@@ -38,7 +38,7 @@ from models.decoder import KVCache, init_cache
 PHASES = ("prompts", "chunk", "decode", "move", "prefill", "first", "loop")
 SERVING_PHASES = ("prompts", "chunk", "decode", "move")
 # The most prompts prefilled together by the scheduler.
-PROMPT_BATCH = 8
+PROMPT_BATCH = 16
 
 
 class ExecutableTable:
@@ -115,7 +115,7 @@ class ExecutableTable:
       return steps.move, (cache, scalar, scalar), (0,), ("cache", rep, rep), "cache"
     if phase == "prompts":
       _, batch, length = key
-      return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), i32(batch),
+      return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), scalar,
                               SamplingArrays.spec(batch)), (1,), state + (rep,) * 4,
               (rep, "cache"))
     if phase == "chunk":

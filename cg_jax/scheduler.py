@@ -40,7 +40,7 @@ from cg_jax.sampling import SamplingArrays
 
 # Padded prompt tokens one "prompts" call may take (its batch x chunk size), in units of the
 # largest prompt bucket.
-PREFILL_TOKENS = 8
+PREFILL_TOKENS = 16
 
 
 class QueueFull(RuntimeError):
@@ -461,8 +461,18 @@ class Scheduler:
     self._join([live], np.asarray(token))
 
   def _first_chunks(self, fresh: list[_Live], lengths: tuple[int, ...]) -> None:
-    """The first chunk of up to PROMPT_BATCH new prompts in one "prompts" call."""
-    batches = self.table.prompt_batches()
+    """The first chunk of up to PROMPT_BATCH new prompts in one "prompts" call: they hold
+    consecutive slots (admitted in order), written as rows [first, first + rows), so `rows`
+    (a batch bucket) must end within the cache."""
+    first = fresh[0].slot
+    # Rows [first, first + rows) may only hold free slots and prompts not started yet (the
+    # padding rows write there).
+    fits = 0
+    for slot in range(first, self.config.buckets.max_batch):
+      if slot < len(self._slots) and self._slots[slot].prefilled > 0:
+        break
+      fits += 1
+    batches = [b for b in self.table.prompt_batches() if b <= fits] or [1]
     budget = PREFILL_TOKENS * lengths[-1]
 
     def chunk_size(group):
@@ -471,7 +481,7 @@ class Scheduler:
 
     group = [fresh[0]]
     for live in fresh[1:]:
-      if len(group) == batches[-1]:
+      if len(group) == batches[-1] or live.slot != group[-1].slot + 1:
         break
       candidate = group + [live]
       rows = next(b for b in batches if b >= len(candidate))
@@ -480,20 +490,18 @@ class Scheduler:
       group = candidate
     size, rows = chunk_size(group), next(b for b in batches if b >= len(group))
     tokens = np.zeros((rows, size), np.int32)
-    counts = np.zeros((rows,), np.int32)  # padding rows: length 0, nothing written
-    slots = np.zeros((rows,), np.int32)
+    counts = np.ones((rows,), np.int32)  # padding rows: one token into a free slot
     for b, live in enumerate(group):
       counts[b] = min(size, len(live.prompt))
       tokens[b, :counts[b]] = live.prompt[:counts[b]]
-      slots[b] = live.slot
-    staged = host_io.stage((tokens, counts, slots, self._sampling(group, rows)), self.inputs_at)
-    first, cache = self.table.get(("prompts", rows, size))(self.weights, self.cache.get(),
-                                                           *staged)
+    staged = host_io.stage((tokens, counts, self._sampling(group, rows)), self.inputs_at)
+    new, cache = self.table.get(("prompts", rows, size))(
+        self.weights, self.cache.get(), staged[0], staged[1], np.int32(first), staged[2])
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
       live.prefilled = int(counts[b])
-    self._join(group, np.asarray(first))
+    self._join(group, np.asarray(new))
 
   def _join(self, lives: list[_Live], tokens: np.ndarray) -> None:
     """Requests whose chunk completed their prompt join the decode batch with its token."""

@@ -6,7 +6,7 @@ ahead of time per bucket (`cg_jax.executables`):
   decode(weights, cache, tokens[B], positions[B], sampling)
                                               -> (emitted[B], tokens[B], positions[B], cache)
   decode_loop(weights, cache, LoopState, eos[E], sampling)  -> (LoopState, out[B,loop_steps], cache)
-  prompts(weights, cache, tokens[B,S], lengths[B], slots[B], sampling) -> (tokens[B], cache)
+  prompts(weights, cache, tokens[B,S], lengths[B], first, sampling)  -> (tokens[B], cache)
   chunk(weights, cache, tokens[1,C], slot, start, length, sampling)  -> (token[1], cache)
   move(cache, source, target)                                      -> cache
 
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cg_jax.attention import IntoSlots, RealRows
+from cg_jax.attention import AtRows, RealRows
 from cg_jax.config import ForwardConfig
 from cg_jax.sampling import SamplingArrays, select_tokens
 from cg_jax.weights import SplitModel
@@ -134,13 +134,13 @@ class StepFunctions:
     _, state, out, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, cache))
     return state, out, cache
 
-  def prompts(self, weights, cache: KVCache, tokens, lengths, slots, sampling):
-    """The first chunk of B prompts, into cache rows `slots` [B] at positions 0..lengths[b] - 1
-    (a padding row has length 0 and writes nothing); returns each row's next token [B], sampled
-    with `sampling` (one row each), and the cache."""
+  def prompts(self, weights, cache: KVCache, tokens, lengths, first, sampling):
+    """The first chunk of B prompts into cache rows [first, first + B) (an int32 scalar; rows
+    past the real prompts are free slots); returns each row's next token [B], sampled with
+    `sampling` (one row each), and the cache."""
     model = self.split.merge(weights)
     logits, cache = model.prefill(tokens, lengths, cache,
-                                  attention=IntoSlots(self.attention, slots), layer_loop="scan",
+                                  attention=AtRows(self.attention, first), layer_loop="scan",
                                   shards=self.shards)
     return select_tokens(logits, lengths, sampling), cache
 

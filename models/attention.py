@@ -58,9 +58,10 @@ def softmax_attention(q, k, v, mask):
   return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
 
 
-def write_prompt(k, v, k_all, v_all, layer):
-  """k, v [B, S, K, H] -> k_all, v_all [L, B', T, K, H] at (layer, 0, 0)."""
-  start = (layer, 0, 0, 0, 0)
+def write_prompt(k, v, k_all, v_all, layer, row=0):
+  """k, v [B, S, K, H] -> k_all, v_all [L, B', T, K, H] at (layer, row, 0): rows
+  [row, row + B), positions [0, S)."""
+  start = (layer, row, 0, 0, 0)
   k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
   v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
   return k_all, v_all

@@ -190,3 +190,22 @@ def test_close_fails_pending_requests_and_leaves_no_thread():
   with pytest.raises(EngineClosed):
     engine.submit([3], 2)
   assert set(_engine_threads()) <= before
+
+
+def test_prompts_prefilled_together_leave_running_rows_alone():
+  """Prompts admitted while others decode, into slots freed and compacted in between (the
+  batched first chunk pads to a batch bucket), change no other request's tokens."""
+  engine = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1, 2, 4, 8),
+                                  prompt_buckets=(8, 16))
+  prompts = _prompts(7, 24)
+  budgets = [3 + (i * 7) % 17 for i in range(24)]
+  budgets = [min(b, 64 - len(p)) for b, p in zip(budgets, prompts)]
+  solo = [engine.generate([p], max_new_tokens=b, eos_token_id=[])[0]
+          for p, b in zip(prompts, budgets)]
+  handles = []
+  for i, (p, b) in enumerate(zip(prompts, budgets)):
+    handles.append(engine.submit(p, b, eos_token_id=[]))
+    if i % 5 == 4:
+      time.sleep(0.02)  # arrivals while others decode
+  assert [h.result(timeout=120).tokens for h in handles] == solo
+  engine.close()
