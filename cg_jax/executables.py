@@ -12,9 +12,9 @@ Keys (plain tuples, as `keys()` lists them):
   ("loop", batch, greedy)         `decode_loop_steps` decode steps in one call (the device loop)
 
 `greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
-uses the first five (`SERVING_PHASES`); `generate(..., device_loop=True)` the static ones. Every executable takes and returns
-the same placements, and the decode state (cache, tokens, positions) is donated, so each output
-reuses its input's buffer from step to step.
+uses the first five (`SERVING_PHASES`); `generate(..., device_loop=True)` the static ones.
+Every executable takes and returns the same placements, and the decode state (cache, tokens,
+positions) is donated, so each output reuses its input's buffer from step to step.
 """
 
 from __future__ import annotations

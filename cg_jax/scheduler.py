@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cg_jax import host_io, text, validation
+from cg_jax import host_io, validation
 from cg_jax.config import EngineConfig
 from cg_jax.executables import ExecutableTable
 from cg_jax.generation import RowText
