@@ -24,7 +24,8 @@ import numpy as np
 from cg_jax import attention, compile_stats, text, validation
 from cg_jax.config import OPTION_NAMES, EngineConfig, on_gpu
 from cg_jax.executables import SERVING_PHASES, ExecutableTable
-from cg_jax.generation import GenerationResult, Generator, RowText, StreamChunk
+from cg_jax.generation import (GenerationResult, Generator, RowText, StreamChunk,
+                               final_text)
 from cg_jax.hub import resolve_model
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.scheduler import Handle, Scheduler
@@ -317,7 +318,7 @@ class Engine:
       group.cancel()  # an interrupted wait frees the slots
     texts = None
     if self.tokenizer is not None:
-      texts = [_text(self.tokenizer, tokens, request.stop) for tokens in group.tokens]
+      texts = [final_text(self.tokenizer, tokens, request.stop) for tokens in group.tokens]
     return GenerationResult([list(t) for t in group.tokens], texts,
                             self._call_stats(request, group, start))
 
@@ -431,15 +432,3 @@ class Engine:
   def kv_cache_memory_kind(self) -> str | None:
     """"device", "pinned_host" (swapped out) or None (not allocated yet)."""
     return self.kv_cache.memory_kind
-
-
-
-def _text(tokenizer, tokens: list[int], stop: tuple[str, ...]) -> str:
-  """A request's text: decoded once, or cut before its first stop string."""
-  if not stop:
-    return text.decode(tokenizer, tokens)
-  row = RowText(tokenizer, stop)
-  for token in tokens:
-    row.push(token)
-  row.finish()
-  return row.text

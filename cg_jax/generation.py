@@ -82,6 +82,18 @@ class RowText:
     return delta
 
 
+def final_text(tokenizer, tokens: list[int], stop: tuple[str, ...]) -> str:
+  """A finished row's text: decoded once, or followed token by token and cut before its first
+  stop string."""
+  if not stop:
+    return text.decode(tokenizer, tokens)
+  row = RowText(tokenizer, stop)
+  for token in tokens:
+    row.push(token)
+  row.finish()
+  return row.text
+
+
 @dataclasses.dataclass(frozen=True)
 class _Batch:
   """One run of a request, padded to its bucket, inputs already staged on the device."""

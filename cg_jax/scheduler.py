@@ -33,7 +33,7 @@ import numpy as np
 from cg_jax import host_io, validation
 from cg_jax.config import EngineConfig
 from cg_jax.executables import ExecutableTable
-from cg_jax.generation import RowText
+from cg_jax.generation import RowText, final_text
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.sampling import SamplingArrays
 
@@ -75,6 +75,9 @@ class _Live:
   finished: bool = False
   cancelled: bool = False
   admitted_at: float | None = None
+
+  def expired(self, now: float) -> bool:
+    return self.deadline is not None and now > self.deadline
 
 
 class Group:
@@ -160,7 +163,8 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class Delta:
-  """One new token of a request, and its text delta (with a tokenizer)."""
+  """One new token of a request, and its text delta (with a tokenizer). A last delta with
+  token -1 may carry text held back until the end."""
 
   token: int
   text: str | None = None
@@ -209,13 +213,7 @@ class Handle:
     group = self._group
     group.wait(timeout)
     tokens = group.tokens[0]
-    shown = None
-    if self._tokenizer is not None:
-      row = RowText(self._tokenizer, self._stop)
-      for token in tokens:
-        row.push(token)
-      row.finish()
-      shown = row.text
+    shown = None if self._tokenizer is None else final_text(self._tokenizer, tokens, self._stop)
     return Completion(tokens=list(tokens), text=shown, finish_reason=group.finish_reasons[0],
                       stats=request_stats(group, group.lives[0]))
 
@@ -345,6 +343,7 @@ class Scheduler:
             "prefill_chunks": self.counters["chunks"],
             "generated_tokens": self.counters["tokens"],
             "tokens_per_s": self.counters["tokens"] / elapsed if elapsed > 0 else 0.0,
+            "requests_submitted": self.counters["submitted"],
             "requests_finished": self.counters["finished"]}
 
   # ------------------------------------------------------------------------------------------------
@@ -381,11 +380,10 @@ class Scheduler:
   def _iteration(self) -> None:
     now = time.perf_counter()
     stale = [live for live in self._slots if live.cancelled or live.finished
-             or (live.deadline is not None and now > live.deadline)]
+             or live.expired(now)]
     with self._wakeup:
       startable = bool(self._waiting) and len(self._slots) < self.config.buckets.max_batch
-      stale = stale or any(w.cancelled or (w.deadline is not None and now > w.deadline)
-                           for w in self._waiting)
+      stale = stale or any(w.cancelled or w.expired(now) for w in self._waiting)
     if stale or startable:
       self._drain()
       self._retire(now)
@@ -403,14 +401,13 @@ class Scheduler:
       if not live.finished:
         if live.cancelled:
           self._end(live, "cancelled")
-        elif live.deadline is not None and now > live.deadline:
+        elif live.expired(now):
           live.finished = True
           live.group._fail(RequestTimeout("the request ran past its timeout"))
       if live.finished:
         self._release(live)
     with self._wakeup:
-      for live in [w for w in self._waiting if w.cancelled
-                   or (w.deadline is not None and now > w.deadline)]:
+      for live in [w for w in self._waiting if w.cancelled or w.expired(now)]:
         self._waiting.remove(live)
         if live.cancelled:
           self._end(live, "cancelled")
