@@ -127,6 +127,10 @@ class EngineConfig:
   decode_loop_steps: tokens per host call with `device_loop=True`.
   tensor_parallel: devices the model is split over (`cg_jax.sharding`).
   max_waiting: requests the scheduler's waiting queue holds; more is a `QueueFull` error.
+  prefix_cache_tokens: the prefix cache's pool size in tokens (`cg_jax.prefix_cache`): prompts
+    that start with cached blocks reuse their keys and values; 0 turns it off (the field's
+    default; `create` turns it on).
+  prefix_block: tokens per prefix-cache block (a prefix is reused in whole blocks).
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
     sorted (name, value) pairs.
   """
@@ -139,6 +143,8 @@ class EngineConfig:
   decode_loop_steps: int = 16
   tensor_parallel: int = 1
   max_waiting: int = 1024
+  prefix_cache_tokens: int = 0
+  prefix_block: int = 16
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
@@ -159,6 +165,13 @@ class EngineConfig:
       raise ValueError(f"decode_loop_steps must be an int >= 1, got {self.decode_loop_steps!r}")
     if not _is_int(self.max_waiting) or self.max_waiting < 1:
       raise ValueError(f"max_waiting must be an int >= 1, got {self.max_waiting!r}")
+    if not _is_int(self.prefix_block) or not 1 <= self.prefix_block < self.max_seq_len:
+      raise ValueError(f"prefix_block must be an int in [1, {self.max_seq_len - 1}] (below "
+                       f"max_seq_len), got {self.prefix_block!r}")
+    if not _is_int(self.prefix_cache_tokens) or not (
+        self.prefix_cache_tokens == 0 or self.prefix_cache_tokens >= self.prefix_block):
+      raise ValueError(f"prefix_cache_tokens must be 0 (off) or an int >= prefix_block "
+                       f"({self.prefix_block}), got {self.prefix_cache_tokens!r}")
     if not _is_int(self.tensor_parallel):  # its range depends on the devices: `check_model`
       raise ValueError(f"tensor_parallel must be an int, got {self.tensor_parallel!r}")
     if not isinstance(self.compiler_options, tuple) or any(
@@ -172,15 +185,22 @@ class EngineConfig:
              batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
              prompt_buckets: Sequence[int] | None = None, graphs: str = "xla-default",
              readback_lag: int = 2, decode_loop_steps: int = 16, tensor_parallel: int = 1,
-             max_waiting: int = 1024, compiler_options: Mapping[str, Any] | None = None,
+             max_waiting: int = 1024, prefix_cache_tokens: int | None = None,
+             prefix_block: int | None = None, compiler_options: Mapping[str, Any] | None = None,
              **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
-    min(model context, 2048); prompt buckets powers of two from 16 below max_seq_len; the
-    forward options of `ForwardConfig.create`. Checked against `model`."""
+    min(model context, 2048); prompt buckets powers of two from 16 below max_seq_len; a prefix
+    cache of 4 x max_seq_len tokens in blocks of min(16, max_seq_len - 1); the forward options
+    of `ForwardConfig.create`. Checked against `model`."""
     if max_seq_len is None:
       max_seq_len = min(model.max_position_embeddings, 2048)
-    if _is_int(max_seq_len) and max_seq_len >= 2 and prompt_buckets is None:
-      prompt_buckets = powers_of_two(min(16, max_seq_len - 1), max_seq_len - 1)
+    if _is_int(max_seq_len) and max_seq_len >= 2:  # (else the tree's own check says why)
+      if prompt_buckets is None:
+        prompt_buckets = powers_of_two(min(16, max_seq_len - 1), max_seq_len - 1)
+      if prefix_block is None:
+        prefix_block = min(16, max_seq_len - 1)
+      if prefix_cache_tokens is None:
+        prefix_cache_tokens = 4 * max_seq_len
     if compiler_options is not None and not isinstance(compiler_options, Mapping):
       raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
                       f"{compiler_options!r}")
@@ -190,6 +210,7 @@ class EngineConfig:
         forward=ForwardConfig.create(**forward_options), graphs=graphs,
         readback_lag=readback_lag, decode_loop_steps=decode_loop_steps,
         tensor_parallel=tensor_parallel, max_waiting=max_waiting,
+        prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block,
         compiler_options=tuple(sorted((compiler_options or {}).items())))
     config.check_model(model)
     return config
@@ -203,6 +224,11 @@ class EngineConfig:
     check_tensor_parallel(model, self.tensor_parallel)
 
   @property
+  def prefix_blocks(self) -> int:
+    """Blocks in the prefix cache's pool (0: off)."""
+    return self.prefix_cache_tokens // self.prefix_block
+
+  @property
   def xla_options(self) -> dict[str, Any]:
     """The XLA options every executable is compiled with: the graph mode's plus the extras."""
     return graph_modes.compiler_options(self.graphs, dict(self.compiler_options))
@@ -214,6 +240,7 @@ class EngineConfig:
                 prompt_buckets=self.buckets.prompt_lengths, graphs=self.graphs,
                 readback_lag=self.readback_lag, decode_loop_steps=self.decode_loop_steps,
                 tensor_parallel=self.tensor_parallel, max_waiting=self.max_waiting,
+                prefix_cache_tokens=self.prefix_cache_tokens, prefix_block=self.prefix_block,
                 compiler_options=dict(self.compiler_options), attention=f.attention,
                 layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
                 cache_write=f.cache_write, decode_attention=f.decode_attention,

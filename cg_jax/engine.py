@@ -117,11 +117,14 @@ class Engine:
     else:
       inputs_at, cache_at = self._parallel.replicated(), self._parallel.cache()
     self.kv_cache = CacheHolder(lambda: self.executables.get(("cache",))(), cache_at)
+    # The prefix cache's block pool (`cg_jax.prefix_cache`), or None when it is off.
+    self.prefix_pool = (CacheHolder(lambda: self.executables.get(("pool",))(), cache_at)
+                        if e.prefix_blocks else None)
     # Where request arrays go: the first device, or replicated over the tensor-parallel mesh.
     self.input_placement = inputs_at
     self._lock = threading.RLock()
-    self._scheduler = Scheduler(e, self.executables, self.kv_cache, self._split.weights,
-                                inputs_at, tokenizer, self._lock)
+    self._scheduler = Scheduler(e, self.executables, self.kv_cache, self.prefix_pool,
+                                self._split.weights, inputs_at, tokenizer, self._lock)
     # The static path (device_loop=True) runs alone: it writes cache rows from 0.
     self._generator = Generator(e, self.executables, self.kv_cache, self._split.weights,
                                 inputs_at, tokenizer, self._scheduler.exclusive())
@@ -172,7 +175,9 @@ class Engine:
 
   def _check_memory(self, limit: int | None) -> None:
     config, engine = self.model_config, self.config
+    # The cache's rows and the prefix cache's pool.
     kv = cache_bytes(config, engine.buckets.max_batch, engine.max_seq_len, self.dtype)
+    kv += cache_bytes(config, 1, engine.prefix_blocks * engine.prefix_block, self.dtype)
     weights = config.num_parameters() * self.dtype.itemsize
     limit = limit if limit is not None else _device_memory_bytes(jax.devices()[0])
     # Per device, approximately: weights and cache over the devices (the replicated embeddings,
@@ -182,9 +187,10 @@ class Engine:
       gib = 2**30
       raise ValueError(
           f"the KV cache for max batch {engine.buckets.max_batch} x max_seq_len "
-          f"{engine.max_seq_len} needs {kv} bytes ({kv / gib:.2f} GiB) and the weights "
+          f"{engine.max_seq_len} (and a prefix cache of {engine.prefix_cache_tokens} tokens) needs {kv} bytes ({kv / gib:.2f} GiB) and the weights "
           f"{weights} bytes ({weights / gib:.2f} GiB), more than the {limit} bytes "
-          f"({limit / gib:.2f} GiB) of device memory; lower max_seq_len or batch_buckets")
+          f"({limit / gib:.2f} GiB) of device memory; lower max_seq_len, batch_buckets or "
+          f"prefix_cache_tokens")
 
   # ------------------------------------------------------------------------------------------------
   # Ahead-of-time compilation
@@ -216,6 +222,8 @@ class Engine:
     with self._lock:
       times = self.executables.compile(keys, progress=progress)
       self.kv_cache.get()
+      if self.prefix_pool is not None and ("pool",) in keys:
+        self.prefix_pool.get()
       self._compiles_at_warmup = compile_stats.compile_count()
     return times
 
@@ -421,11 +429,15 @@ class Engine:
     with self._lock:
       self._scheduler.pause()
       self.kv_cache.swap_out()
+      if self.prefix_pool is not None:
+        self.prefix_pool.swap_out()
 
   def swap_in(self) -> None:
     """Bring a swapped-out KV cache back to device memory."""
     with self._lock:
       self.kv_cache.swap_in()
+      if self.prefix_pool is not None:
+        self.prefix_pool.swap_in()
     self._scheduler.resume()
 
   @property

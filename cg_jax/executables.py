@@ -7,12 +7,15 @@ Keys (plain tuples, as `keys()` lists them):
   ("chunk", length)               a later chunk of one prompt, at a cache offset
   ("decode", batch, greedy)       one decode step over cache rows [0, batch)
   ("move",)                       copy one cache row to another (slot compaction)
+  ("pool",)                       allocate the zeroed prefix-cache block pool
+  ("load",) / ("save",)           copy prefix blocks from the pool into a slot / from a slot
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
   ("first", batch, greedy)        the first token from prefill's logits (the static path)
   ("loop", batch, greedy)         `decode_loop_steps` decode steps in one call (the device loop)
 
 `greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
-uses the first five (`SERVING_PHASES`); `generate(..., device_loop=True)` the static ones.
+uses the serving phases (`SERVING_PHASES`: prompts, chunk, decode, move and, with the prefix
+cache on, "prefix": pool, load, save); `generate(..., device_loop=True)` the static ones.
 Every executable takes and returns the same placements, and the decode state (cache, tokens,
 positions) is donated, so each output reuses its input's buffer from step to step.
 """
@@ -35,8 +38,8 @@ from cg_jax.steps import LoopState, StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("prompts", "chunk", "decode", "move", "prefill", "first", "loop")
-SERVING_PHASES = ("prompts", "chunk", "decode", "move")
+PHASES = ("prompts", "chunk", "decode", "move", "prefix", "prefill", "first", "loop")
+SERVING_PHASES = ("prompts", "chunk", "decode", "move", "prefix")
 # The most prompts prefilled together by the scheduler.
 PROMPT_BATCH = 16
 
@@ -80,6 +83,8 @@ class ExecutableTable:
       keys += [("chunk", length) for length in prompt_lengths]
     if "move" in phases:
       keys.append(("move",))
+    if "prefix" in phases and self.config.prefix_blocks:
+      keys += [("pool",), ("load",), ("save",)]
     for batch in batch_sizes:
       if "prefill" in phases:
         keys += [("prefill", batch, length) for length in prompt_lengths]
@@ -99,6 +104,16 @@ class ExecutableTable:
     spec = jax.ShapeDtypeStruct(shape, self.dtype)
     return KVCache(k=spec, v=spec)
 
+  def pool_spec(self) -> KVCache:
+    c, e = self.model, self.config
+    shape = (c.num_layers, e.prefix_blocks, e.prefix_block, c.num_kv_heads, c.head_dim)
+    spec = jax.ShapeDtypeStruct(shape, self.dtype)
+    return KVCache(k=spec, v=spec)
+
+  def row_blocks(self) -> int:
+    """M: the prefix blocks a cache row holds (the length of load's ids and save's targets)."""
+    return self.config.max_seq_len // self.config.prefix_block
+
   def signature(self, key: tuple):
     """(function, abstract arguments, donated argument numbers, input placements, output
     placements) of a key; placements name "weights", "cache" or "replicated"."""
@@ -113,6 +128,16 @@ class ExecutableTable:
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     if phase == "move":
       return steps.move, (cache, scalar, scalar), (0,), ("cache", rep, rep), "cache"
+    if phase == "pool":
+      pool = self.pool_spec()
+      return (lambda: KVCache(k=jnp.zeros(pool.k.shape, pool.k.dtype),
+                              v=jnp.zeros(pool.v.shape, pool.v.dtype))), (), (), (), "cache"
+    if phase == "load":
+      return (steps.load, (cache, self.pool_spec(), scalar, i32(self.row_blocks()), scalar),
+              (0,), ("cache", "cache", rep, rep, rep), "cache")
+    if phase == "save":
+      return (steps.save, (self.pool_spec(), cache, scalar, i32(self.row_blocks())), (0,),
+              ("cache", "cache", rep, rep), "cache")
     if phase == "prompts":
       _, batch, length = key
       return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), scalar,

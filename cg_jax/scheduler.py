@@ -4,11 +4,14 @@ Requests wait in a bounded FIFO. The engine thread loops:
   1. retire: finished, cancelled and timed-out requests leave their slots; the last occupied
      slot moves into each freed one (a cache-row copy), so the occupied slots stay [0, n);
   2. admit: waiting requests take the free slots;
-  3. prefill: one executable between two decode steps: the first chunks of the newly admitted
+  3. prefill: a new prompt that starts with blocks in the prefix cache gets their keys and values
+     copied into its slot and prefills only the rest; then one executable between two decode
+     steps: the first chunks of the newly admitted
      prompts together (up to PROMPT_BATCH prompts and PREFILL_TOKENS padded tokens, chunk sizes
      from `prompt_buckets`), or else the next chunk of one longer prompt at its cache offset; so
      a long prompt delays the running streams by one chunk per step. A request whose prompt is
-     complete joins the decode batch with its first token, sampled in that executable;
+     complete joins the decode batch with its first token, sampled in that executable, and its
+     full blocks are copied into the prefix cache;
   4. decode: one step over slots [0, bucket), the smallest batch bucket holding the occupied
      slots; slots still prefilling are idle rows (position -1: no cache write, no attention).
      Up to `readback_lag` steps are in flight; the batch changes only once none is.
@@ -35,6 +38,7 @@ from cg_jax.config import EngineConfig
 from cg_jax.executables import ExecutableTable
 from cg_jax.generation import RowText, final_text
 from cg_jax.kv_cache import CacheHolder
+from cg_jax.prefix_cache import PrefixIndex
 from cg_jax.sampling import SamplingArrays
 
 
@@ -68,6 +72,7 @@ class _Live:
   deadline: float | None
   slot: int | None = None
   prefilled: int = 0  # prompt tokens in the cache
+  looked_up: bool = False  # the prefix cache was asked
   token: int = 0  # the last token, fed to the next step
   position: int = 0  # where `token` goes in the cache
   emitted: int = 0
@@ -255,14 +260,18 @@ class Scheduler:
 
   Args:
     config: the engine's config; table: its executables; cache: its KV cache.
+    pool: the prefix cache's block pool, or None when `config.prefix_blocks` is 0.
     weights: the flat weight list; inputs_at: where request arrays go; tokenizer: or None.
     lock: the engine's lock, held for each loop iteration (swap-out and the static path wait).
   """
 
   def __init__(self, config: EngineConfig, table: ExecutableTable, cache: CacheHolder,
-               weights: list, inputs_at, tokenizer, lock: threading.RLock):
+               pool: CacheHolder | None, weights: list, inputs_at, tokenizer,
+               lock: threading.RLock):
     self.config, self.table, self.cache, self.weights = config, table, cache, weights
     self.inputs_at, self.tokenizer, self.lock = inputs_at, tokenizer, lock
+    self.pool = pool
+    self.prefix = None if pool is None else PrefixIndex(config.prefix_blocks, config.prefix_block)
     self._wakeup = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
     self._slots: list[_Live] = []  # occupied slots [0, n)
@@ -344,7 +353,9 @@ class Scheduler:
             "generated_tokens": self.counters["tokens"],
             "tokens_per_s": self.counters["tokens"] / elapsed if elapsed > 0 else 0.0,
             "requests_submitted": self.counters["submitted"],
-            "requests_finished": self.counters["finished"]}
+            "requests_finished": self.counters["finished"],
+            "prefix_cache": self.prefix is not None,
+            **({} if self.prefix is None else self.prefix.stats())}
 
   # ------------------------------------------------------------------------------------------------
   # The engine thread
@@ -433,8 +444,13 @@ class Scheduler:
         self._inputs = None
 
   def _prefill(self) -> None:
-    """The first chunks of the new prompts together, or else the next chunk of one prompt."""
+    """Cached prefixes of new prompts, then the first chunks of the new prompts together, or
+    else the next chunk of one prompt."""
     lengths = self.config.buckets.prompt_lengths
+    if self.prefix is not None:
+      for live in self._slots:
+        if not live.looked_up and not live.finished:
+          self._load_prefix(live)
     fresh = [x for x in self._slots if x.prefilled == 0 and not x.finished]
     if fresh:
       self._first_chunks(fresh, lengths)
@@ -500,13 +516,38 @@ class Scheduler:
       live.prefilled = int(counts[b])
     self._join(group, np.asarray(new))
 
+  def _load_prefix(self, live: _Live) -> None:
+    """A new request's cached prompt blocks, copied into its slot."""
+    live.looked_up = True
+    ids = self.prefix.lookup(live.prompt)
+    if not ids:
+      return
+    row = np.zeros((self.table.row_blocks(),), np.int32)
+    row[:len(ids)] = ids
+    self.cache.set(self.table.get(("load",))(self.cache.get(), self.pool.get(),
+                                             np.int32(live.slot), row, np.int32(len(ids))))
+    live.prefilled = len(ids) * self.config.prefix_block
+
+  def _save_prefix(self, live: _Live) -> None:
+    """A prefilled prompt's full blocks not in the prefix cache yet, copied into its pool."""
+    targets = self.prefix.insert(live.prompt)
+    if not any(t is not None for t in targets):
+      return
+    row = np.full((self.table.row_blocks(),), -1, np.int32)
+    row[:len(targets)] = [-1 if t is None else t for t in targets]
+    self.pool.set(self.table.get(("save",))(self.pool.get(), self.cache.get(),
+                                            np.int32(live.slot), row))
+
   def _join(self, lives: list[_Live], tokens: np.ndarray) -> None:
-    """Requests whose chunk completed their prompt join the decode batch with its token."""
+    """Requests whose chunk completed their prompt join the decode batch with its token (and
+    their blocks go into the prefix cache)."""
     done = [(live, int(tokens[b])) for b, live in enumerate(lives)
             if live.prefilled == len(live.prompt)]
     for live, _ in done:
       live.position, live.decoding = len(live.prompt), True
       self._inputs = None
+      if self.prefix is not None:
+        self._save_prefix(live)
     self._deliver(done)
 
   def _deliver(self, new: list[tuple[_Live, int]]) -> None:

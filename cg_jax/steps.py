@@ -9,6 +9,11 @@ ahead of time per bucket (`cg_jax.executables`):
   prompts(weights, cache, tokens[B,S], lengths[B], first, sampling)  -> (tokens[B], cache)
   chunk(weights, cache, tokens[1,C], slot, start, length, sampling)  -> (token[1], cache)
   move(cache, source, target)                                      -> cache
+  load(cache, pool, slot, ids[M], count)                           -> cache
+  save(pool, cache, slot, targets[M])                              -> pool
+
+`pool` is the prefix cache's block pool, a KVCache of [L, N, G, K, H] arrays (N blocks of G
+tokens; M = T // G blocks per cache row; `cg_jax.prefix_cache` keeps its index).
 
 A negative position marks an idle row of a decode step (a cache slot not decoding): it writes
 nothing, and stays negative.
@@ -170,3 +175,33 @@ class StepFunctions:
       row = jax.lax.dynamic_slice_in_dim(array, source, 1, axis=1)
       return jax.lax.dynamic_update_slice_in_dim(array, row, target, axis=1)
     return KVCache(k=one(cache.k), v=one(cache.v))
+
+  @staticmethod
+  def load(cache: KVCache, pool: KVCache, slot, ids, count):
+    """Cache row `slot`'s first `count` blocks <- pool blocks ids[:count] (int32 [M]; the rest
+    is ignored); the row's other positions are unchanged."""
+    def one(array, blocks):
+      layers, _, block, heads, dim = blocks.shape
+      span = ids.shape[0] * block
+      # [L, N, G, K, H] -> [L, M * G, K, H]
+      taken = jnp.take(blocks, ids, axis=1, mode="clip").reshape(layers, span, heads, dim)
+      # [L, 1, M * G, K, H]
+      row = jax.lax.dynamic_slice(array, (0, slot, 0, 0, 0), (layers, 1, span, heads, dim))
+      keep = (jnp.arange(span) < count * block)[None, None, :, None, None]
+      return jax.lax.dynamic_update_slice(array, jnp.where(keep, taken[:, None], row),
+                                          (0, slot, 0, 0, 0))
+    return KVCache(k=one(cache.k, pool.k), v=one(cache.v, pool.v))
+
+  @staticmethod
+  def save(pool: KVCache, cache: KVCache, slot, targets):
+    """Pool block targets[i] <- cache row `slot`'s block i, for each targets[i] >= 0 (int32
+    [M]; -1 writes nothing)."""
+    def one(blocks, array):
+      layers, count, block, heads, dim = blocks.shape
+      span = targets.shape[0] * block
+      # [L, 1, M * G, K, H] -> [L, M, G, K, H]
+      row = jax.lax.dynamic_slice(array, (0, slot, 0, 0, 0), (layers, 1, span, heads, dim))
+      row = row.reshape(layers, targets.shape[0], block, heads, dim)
+      where = jnp.where(targets < 0, count, targets)  # out of range: dropped
+      return blocks.at[:, where].set(row, mode="drop")
+    return KVCache(k=one(pool.k, cache.k), v=one(pool.v, cache.v))

@@ -21,6 +21,19 @@ def _prompts(seed, count, vocab=263):
   return [rng.integers(2, vocab, (int(rng.integers(1, 40)),)).tolist() for _ in range(count)]
 
 
+def _shared_prefixes(seed, count, vocab=263):
+  """Prompts of which about half start with one of three common prefixes (16-34 tokens)."""
+  rng = np.random.default_rng(seed)
+  bases = [rng.integers(2, vocab, (int(rng.integers(16, 35)),)).tolist() for _ in range(3)]
+  prompts = []
+  for i, prompt in enumerate(_prompts(seed + 1, count, vocab)):
+    if i % 2:
+      base = bases[i % 3]
+      prompt = (base[:int(rng.integers(8, len(base) + 1))] + prompt)[:int(rng.integers(17, 45))]
+    prompts.append(prompt)
+  return prompts
+
+
 @pytest.fixture(scope="module")
 def engine():
   engine = Engine.from_pretrained("tiny-llama", **OPTIONS)
@@ -29,15 +42,26 @@ def engine():
   engine.close()
 
 
+@pytest.fixture(scope="module")
+def engine_off(engine):
+  """The same weights without the prefix cache."""
+  other = engine.with_options(prefix_cache_tokens=0)
+  other.warmup(progress=False)
+  yield other
+  other.close()
+
+
 def _engine_threads():
   return [t for t in threading.enumerate() if t.name == "cg_jax-engine"]
 
 
-def test_concurrent_requests_equal_their_solo_runs(engine):
-  """50 requests of different lengths and budgets, submitted from 8 threads in random order
-  into 4 slots: each one's greedy tokens equal the same request alone, and seeded sampling the
-  same seed alone; nothing compiles."""
-  prompts = _prompts(0, 50)
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_concurrent_requests_equal_their_solo_runs(engine, engine_off, prefix_cache):
+  """50 requests of different lengths and budgets (half sharing prefixes), submitted from 8
+  threads in random order into 4 slots, with the prefix cache on and off: each one's greedy
+  tokens equal the same request alone without the prefix cache, and seeded sampling the same
+  seed alone; nothing compiles."""
+  prompts = _shared_prefixes(0, 50)
   rng = np.random.default_rng(1)
   budgets = [int(rng.integers(1, 64 - len(p) + 1)) for p in prompts]
   budgets = [min(b, 20) for b in budgets]
@@ -48,14 +72,16 @@ def test_concurrent_requests_equal_their_solo_runs(engine):
       return dict(do_sample=True, temperature=0.9, top_k=20, seed=100 + i)
     return {}
 
-  solo = [engine.generate([p], max_new_tokens=b, eos_token_id=[], **options(i))[0]
+  solo = [engine_off.generate([p], max_new_tokens=b, eos_token_id=[], **options(i))[0]
           for i, (p, b) in enumerate(zip(prompts, budgets))]
+  served = engine if prefix_cache else engine_off
+  hits = served.stats().get("prefix_cache_hits", 0)
   before = compile_stats.compile_count()
   order = rng.permutation(50)
   results = [None] * 50
 
   def worker(indices):
-    handles = [(i, engine.submit(prompts[i], budgets[i], eos_token_id=[], **options(i)))
+    handles = [(i, served.submit(prompts[i], budgets[i], eos_token_id=[], **options(i)))
                for i in indices]
     for i, handle in handles:
       results[i] = handle.result(timeout=120).tokens
@@ -67,8 +93,25 @@ def test_concurrent_requests_equal_their_solo_runs(engine):
     t.join(timeout=300)
   assert results == solo
   assert compile_stats.compile_count() == before
-  stats = engine.stats()
+  stats = served.stats()
   assert stats["running"] == 0 and stats["waiting"] == 0
+  assert stats["prefix_cache"] is prefix_cache
+  if prefix_cache:
+    assert stats["prefix_cache_hits"] - hits >= 3 and stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_prefix_cache_eviction_keeps_tokens(engine_off):
+  """A pool of 3 blocks of 8 tokens, cycled through by prompts (each twice in a row) of
+  several prefixes: blocks are evicted and reused, and every request's tokens equal the engine
+  without the cache."""
+  small = engine_off.with_options(prefix_cache_tokens=24, prefix_block=8)
+  prompts = [p + [7] for p in _prompts(11, 5) if len(p) >= 9 for _ in range(2)] * 2
+  expected = [engine_off.generate([p], max_new_tokens=5, eos_token_id=[])[0] for p in prompts]
+  assert [small.generate([p], max_new_tokens=5, eos_token_id=[])[0] for p in prompts] == expected
+  stats = small.stats()
+  assert stats["prefix_cache_evictions"] > 0 and stats["prefix_cache_hits"] > 0
+  assert stats["prefix_cache_blocks_used"] <= 3
+  small.close()
 
 
 def test_a_generate_list_is_several_requests(engine):
