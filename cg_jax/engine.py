@@ -131,6 +131,7 @@ class Engine:
     self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(
         t, attention=steps.attention, shards=e.tensor_parallel))
     self._compiles_at_warmup: int | None = None
+    self._warmup_wall_s: float | None = None
 
   # ------------------------------------------------------------------------------------------------
   # Construction
@@ -204,27 +205,33 @@ class Engine:
 
   def warmup(self, *, batch_sizes: Sequence[int] | None = None,
              prompt_lengths: Sequence[int] | None = None,
-             phases: Sequence[str] = SERVING_PHASES, progress: bool = True) -> dict[str, float]:
-    """Compile every (phase, bucket) executable ahead of time and allocate the KV cache.
+             phases: Sequence[str] = SERVING_PHASES, progress: bool = True,
+             workers: int | None = None) -> dict[str, float]:
+    """Compile every (phase, bucket) executable ahead of time, in parallel on `workers` threads
+    (None: one per CPU core), and allocate the KV cache.
 
-    By default the executables that `generate`, `stream` and `submit` use: a prompt chunk per
-    prompt bucket, a greedy and a sampling decode step per batch bucket, the slot move and the
-    cache (with the default buckets, about 20). `generate(..., device_loop=True)` runs the
-    static path, whose executables ("prefill", "first", "loop", per batch and prompt bucket:
-    many more) compile on first use or with `phases=cg_jax.executables.PHASES`. Narrow it to the
-    buckets you will use (`batch_sizes`, `prompt_lengths`). The persistent compilation cache
-    makes a second start fast.
+    By default the executables that `generate`, `stream` and `submit` use: first prompt chunks
+    per prompt bucket and batch bucket (up to 16 prompts), later chunks per prompt bucket, a
+    greedy and a sampling decode step per batch bucket, the slot move, the prefix cache's block
+    copies and the cache (`executable_keys()` lists them). `generate(..., device_loop=True)`
+    runs the static path, whose executables ("prefill", "first", "loop") compile on first use
+    or with `phases=cg_jax.executables.PHASES`. Narrow it to the buckets you will use
+    (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start
+    fast.
 
     Returns:
-      {executable name: compile seconds} (small when served from the persistent cache).
+      {executable name: compile seconds} (small when served from the persistent cache);
+      `stats()["warmup_wall_s"]` is the whole warm-up's wall time.
     """
     keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
+    start = time.perf_counter()
     with self._lock:
-      times = self.executables.compile(keys, progress=progress)
+      times = self.executables.compile(keys, progress=progress, workers=workers)
       self.kv_cache.get()
       if self.prefix_pool is not None and ("pool",) in keys:
         self.prefix_pool.get()
       self._compiles_at_warmup = compile_stats.compile_count()
+    self._warmup_wall_s = time.perf_counter() - start
     return times
 
   def stats(self) -> dict[str, Any]:
@@ -238,6 +245,7 @@ class Engine:
         "persistent_cache_hits": compile_stats.cache_hit_count(),
         "executables": len(self.executables.compiled),
         "warmup_seconds": sum(self.executables.compile_seconds.values()),
+        "warmup_wall_s": self._warmup_wall_s,
         "compilation_cache_dir": self.compilation_cache_dir,
         "dtype": self.dtype.name,
         **self._scheduler.stats(),
@@ -402,6 +410,13 @@ class Engine:
                 per_token_s=(end - first) / steps, tokens_per_s=total / max(end - start, 1e-9),
                 device_loop=False, greedy=request.settings.greedy,
                 readback_lag=self.config.readback_lag)
+
+  def reset_prefix_cache(self) -> None:
+    """Forget every cached prefix (waits until no request is queued or running); the counters
+    in `stats()` stay."""
+    if self._scheduler.prefix is not None:
+      with self._scheduler.exclusive():
+        self._scheduler.prefix.clear()
 
   def close(self) -> None:
     """Finish: every queued or running request fails with `cg_jax.scheduler.EngineClosed`, and

@@ -35,7 +35,7 @@ import numpy as np
 
 from cg_jax import host_io, validation
 from cg_jax.config import EngineConfig
-from cg_jax.executables import ExecutableTable
+from cg_jax.executables import PROMPT_BATCH, ExecutableTable
 from cg_jax.generation import RowText, final_text
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.prefix_cache import PrefixIndex
@@ -447,11 +447,14 @@ class Scheduler:
     """Cached prefixes of new prompts, then the first chunks of the new prompts together, or
     else the next chunk of one prompt."""
     lengths = self.config.buckets.prompt_lengths
-    if self.prefix is not None:
-      for live in self._slots:
-        if not live.looked_up and not live.finished:
-          self._load_prefix(live)
     fresh = [x for x in self._slots if x.prefilled == 0 and not x.finished]
+    if self.prefix is not None:
+      # Only the prompts next in line ask the cache: those behind them may find the blocks
+      # these are about to write.
+      for live in fresh[:PROMPT_BATCH]:
+        if not live.looked_up:
+          self._load_prefix(live)
+      fresh = [x for x in fresh if x.prefilled == 0]
     if fresh:
       self._first_chunks(fresh, lengths)
       return

@@ -111,6 +111,10 @@ def test_prefix_cache_eviction_keeps_tokens(engine_off):
   stats = small.stats()
   assert stats["prefix_cache_evictions"] > 0 and stats["prefix_cache_hits"] > 0
   assert stats["prefix_cache_blocks_used"] <= 3
+  small.reset_prefix_cache()
+  assert small.stats()["prefix_cache_blocks_used"] == 0
+  small.generate([prompts[0]], max_new_tokens=5, eos_token_id=[])
+  assert small.stats()["prefix_cache_misses"] == stats["prefix_cache_misses"] + 1
   small.close()
 
 
