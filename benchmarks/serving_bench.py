@@ -171,6 +171,41 @@ def prefill_probe(engine, prompts, repeats: int = 5) -> dict:
   return out
 
 
+def first_token_trace(engine, prompts) -> dict:
+  """The host's timeline (ms from the call) of one two-token generate() of `prompts` through
+  the scheduler and through the static path: each executable call's start and return, and the
+  first token."""
+  table, out = engine.executables, {}
+  original = table.get
+  request = engine.validate(prompts, 2, eos_token_id=[])
+  for name, call in (("scheduler", lambda: engine.generate(prompts, 2, eos_token_id=[])),
+                     ("static", lambda: engine._generator.generate(request))):
+    events = []
+
+    def traced(key, events=events):
+      exe = original(key)
+
+      def run(*args):
+        begin = time.perf_counter()
+        result = exe(*args)
+        events.append(("/".join(map(str, key)), begin, time.perf_counter()))
+        return result
+      return run
+
+    call()
+    engine.reset_prefix_cache()
+    table.get = traced
+    try:
+      start = time.perf_counter()
+      ttft = call().stats["ttft_s"]
+    finally:
+      del table.get
+    out[name] = {"ttft_ms": round(ttft * 1e3, 2),
+                 "calls": [(key, round((a - start) * 1e3, 2), round((b - start) * 1e3, 2))
+                           for key, a, b in events[:12]]}
+  return out
+
+
 def run_model(model: str, args, base) -> list[dict]:
   start = time.perf_counter()
   engine = _engine(model, args)
@@ -200,26 +235,30 @@ def run_model(model: str, args, base) -> list[dict]:
   probe = same[:engine.executables.prompt_batches()[-1]]
   emit(dict(base, system="cg_jax", model=name, workload="prefill_probe", requests=len(probe),
             **prefill_probe(engine, probe)))
-  for system, call in (("cg_jax", scheduler), ("cg_jax_static", static)):
-    engine.reset_prefix_cache()
-    result = call(same)
-    emit(_row(system, name, "offline_same", 16, None, result["new_tokens"], result["total_s"],
-              [result["ttft_s"]], [result["per_token_s"]], base))
-    engine.reset_prefix_cache()
-    emit(_row(system, name, "concurrent", 16, None, *_threads(call, singles), base))
-  emit(_row("cg_jax", name, "offline", 64, None, *_submit_all(engine, _prompts(64, vocab, 2)),
-            base))
-  for i, rate in enumerate(args.rates):
-    prompts = _prompts(args.poisson_requests, vocab, 10 + i)
-    arrivals = np.cumsum(np.random.default_rng(4).exponential(1 / rate, len(prompts)))
-    emit(_row("cg_jax", name, "poisson", len(prompts), rate,
-              *_submit_all(engine, prompts, arrivals), base))
+  emit(dict(base, system="cg_jax", model=name, workload="first_token_trace",
+            requests=len(probe), **first_token_trace(engine, probe)))
+  if "serving" in args.workloads:
+    for system, call in (("cg_jax", scheduler), ("cg_jax_static", static)):
+      engine.reset_prefix_cache()
+      result = call(same)
+      emit(_row(system, name, "offline_same", 16, None, result["new_tokens"],
+                result["total_s"], [result["ttft_s"]], [result["per_token_s"]], base))
+      engine.reset_prefix_cache()
+      emit(_row(system, name, "concurrent", 16, None, *_threads(call, singles), base))
+    emit(_row("cg_jax", name, "offline", 64, None,
+              *_submit_all(engine, _prompts(64, vocab, 2)), base))
+    for i, rate in enumerate(args.rates):
+      prompts = _prompts(args.poisson_requests, vocab, 10 + i)
+      arrivals = np.cumsum(np.random.default_rng(4).exponential(1 / rate, len(prompts)))
+      emit(_row("cg_jax", name, "poisson", len(prompts), rate,
+                *_submit_all(engine, prompts, arrivals), base))
   # The prefix cache on (this engine) and off (a second engine: its start is the cached one).
   start = time.perf_counter()
   off = _engine(model, args, prefix_cache_tokens=0)
   off.warmup(progress=False)
   cached_start_s = round(time.perf_counter() - start, 1)
-  for system, served, seed in (("cg_jax", engine, 20), ("cg_jax_prefix_off", off, 21)):
+  shared = (("cg_jax", engine, 20), ("cg_jax_prefix_off", off, 21))
+  for system, served, seed in shared if "shared_prefix" in args.workloads else ():
     served.generate(_shared_prefix_prompts(4, vocab, seed + 10), 2, eos_token_id=[])  # warm
     served.reset_prefix_cache()
     row = _row(system, name, "shared_prefix", 64, None,
@@ -270,7 +309,7 @@ def table(rows) -> str:
   lines = ["| system | model | workload | requests | rate | tokens/s | TTFT p50 / p99 ms | "
            "TPOT p50 / p99 ms |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    if r["workload"] in ("engine_stats", "prefill_probe"):
+    if r["workload"] in ("engine_stats", "prefill_probe", "first_token_trace"):
       continue
     lines.append(f"| {r['system']} | {r['model']} | {r['workload']} | {r['requests']} | "
                  f"{r['rate'] or ''} | {r['tokens_per_s']} | {r['ttft_p50_ms']} / "
@@ -287,6 +326,9 @@ def main():
   parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
                       default=[2, 8, 32])
   parser.add_argument("--poisson-requests", type=int, default=200)
+  parser.add_argument("--workloads", default="serving,shared_prefix",
+                      help="serving (offline_same, concurrent, offline, poisson) and/or "
+                           "shared_prefix; the probes always run")
   parser.add_argument("--commit", default=os.environ.get("CG_JAX_COMMIT"))
   parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU, short runs")
   parser.add_argument("--out", required=True)

@@ -411,6 +411,11 @@ class Engine:
                 device_loop=False, greedy=request.settings.greedy,
                 readback_lag=self.config.readback_lag)
 
+  @property
+  def closed(self) -> bool:
+    """True after `close()`: the engine takes no more requests."""
+    return self._scheduler.closed
+
   def reset_prefix_cache(self) -> None:
     """Forget every cached prefix (waits until no request is queued or running); the counters
     in `stats()` stay."""

@@ -4,7 +4,8 @@ Keys (plain tuples, as `keys()` lists them):
   ("cache",)                      allocate the zeroed KV cache
   ("prompts", batch, length)      the first chunk of `batch` prompts into consecutive cache slots
                                   (batch: the batch buckets up to PROMPT_BATCH)
-  ("chunk", length)               a later chunk of one prompt, at a cache offset
+  ("chunk", batch, length)        later chunks of `batch` prompts, each at its cache offset
+                                  (batch: the batch buckets up to PROMPT_BATCH)
   ("decode", batch, greedy)       one decode step over cache rows [0, batch)
   ("move",)                       copy one cache row to another (slot compaction)
   ("pool",)                       allocate the zeroed prefix-cache block pool
@@ -82,7 +83,8 @@ class ExecutableTable:
       keys += [("prompts", batch, length) for batch in self.prompt_batches()
                if batch in batch_sizes for length in prompt_lengths]
     if "chunk" in phases:
-      keys += [("chunk", length) for length in prompt_lengths]
+      keys += [("chunk", batch, length) for batch in self.prompt_batches()
+               if batch in batch_sizes for length in prompt_lengths]
     if "move" in phases:
       keys.append(("move",))
     if "prefix" in phases and self.config.prefix_blocks:
@@ -96,7 +98,8 @@ class ExecutableTable:
     return keys
 
   def prompt_batches(self) -> tuple[int, ...]:
-    """The batch buckets up to PROMPT_BATCH: how many prompts a "prompts" executable takes."""
+    """The batch buckets up to PROMPT_BATCH: how many prompts a "prompts" or "chunk"
+    executable takes."""
     return tuple(b for b in self.config.buckets.batch_sizes if b <= PROMPT_BATCH) or (
         self.config.buckets.batch_sizes[0],)
 
@@ -146,8 +149,10 @@ class ExecutableTable:
                               SamplingArrays.spec(batch)), (1,), state + (rep,) * 4,
               (rep, "cache"))
     if phase == "chunk":
-      return (steps.chunk, (weights, cache, i32(1, key[1]), scalar, scalar, scalar,
-                            SamplingArrays.spec(1)), (1,), state + (rep,) * 5, (rep, "cache"))
+      _, batch, length = key
+      return (steps.chunk, (weights, cache, i32(batch, length), i32(batch), i32(batch),
+                            i32(batch), SamplingArrays.spec(batch)), (1,), state + (rep,) * 5,
+              (rep, "cache"))
     _, batch, extra = key
     if phase == "prefill":
       return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch)), (1,),

@@ -6,12 +6,13 @@ Requests wait in a bounded FIFO. The engine thread loops:
   2. admit: waiting requests take the free slots;
   3. prefill: a new prompt that starts with blocks in the prefix cache gets their keys and values
      copied into its slot and prefills only the rest; then one executable between two decode
-     steps: the first chunks of the newly admitted
-     prompts together (up to PROMPT_BATCH prompts and PREFILL_TOKENS padded tokens, chunk sizes
-     from `prompt_buckets`), or else the next chunk of one longer prompt at its cache offset; so
-     a long prompt delays the running streams by one chunk per step. A request whose prompt is
-     complete joins the decode batch with its first token, sampled in that executable, and its
-     full blocks are copied into the prefix cache;
+     steps (up to PROMPT_BATCH prompts and PREFILL_TOKENS padded tokens, chunk sizes from
+     `prompt_buckets`): the next chunks of prompts already started (a cached prefix, or longer
+     than the largest chunk), each at its cache offset, first come first served; or else the
+     first chunks of newly admitted prompts, attended by the prefill kernel. So a long prompt
+     delays the running streams by one chunk per step. A request whose prompt is complete
+     joins the decode batch with its first token, sampled in that executable, and its full
+     blocks are copied into the prefix cache;
   4. decode: one step over slots [0, bucket), the smallest batch bucket holding the occupied
      slots; slots still prefilling are idle rows (position -1: no cache write, no attention).
      Up to `readback_lag` steps are in flight; the batch changes only once none is.
@@ -28,7 +29,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,7 @@ class Group:
     self.first_token_at: float | None = None
     self.finished_at: float | None = None
     self._open = rows
+    self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
   # The engine thread's side.
 
@@ -110,6 +112,7 @@ class Group:
     for row, token in tokens.items():
       self.tokens[row].append(token)
     self._events.put(tokens)
+    self._notify()
 
   def _finish(self, row: int, reason: str) -> None:
     if self._done.is_set():
@@ -131,6 +134,14 @@ class Group:
     self.finished_at = time.perf_counter()
     self._events.put(None)
     self._done.set()
+    self._notify()
+
+  def _notify(self) -> None:
+    for loop, ready in self._watchers:
+      try:
+        loop.call_soon_threadsafe(ready.set)
+      except RuntimeError:  # the caller's event loop is closed: nobody listens
+        pass
 
   # The caller's side.
 
@@ -151,6 +162,25 @@ class Group:
       raise TimeoutError(f"the request did not finish within {timeout} s")
     if self.error is not None:
       raise self.error
+
+  async def async_events(self) -> AsyncIterator[dict[int, int]]:
+    """`events()` for asyncio code: the engine thread wakes the caller's loop, no thread
+    waits."""
+    ready = asyncio.Event()
+    self._watchers.append((asyncio.get_running_loop(), ready))
+    while True:
+      try:
+        event = self._events.get_nowait()
+      except queue.Empty:
+        ready.clear()
+        if self._events.empty():  # (checked after the clear: no wake-up is lost)
+          await ready.wait()
+        continue
+      if event is None:
+        if self.error is not None:
+          raise self.error
+        return
+      yield event
 
   def events(self, timeout: float | None = None) -> Iterator[dict[int, int]]:
     """{row: token} per engine step, until every request finished (then raises its error)."""
@@ -222,24 +252,28 @@ class Handle:
     return Completion(tokens=list(tokens), text=shown, finish_reason=group.finish_reasons[0],
                       stats=request_stats(group, group.lives[0]))
 
+  @property
+  def prompt_tokens(self) -> int:
+    """The prompt's length in tokens."""
+    return len(self._group.lives[0].prompt)
+
   def __iter__(self) -> Iterator[Delta]:
     row = None if self._tokenizer is None else RowText(self._tokenizer, self._stop)
     for event in self._group.events():
-      token = event[0]
-      yield Delta(token, None if row is None else row.push(token))
-    if row is not None:
-      rest = row.finish()
-      if rest:
-        yield Delta(-1, rest)
+      yield self._delta(row, event[0])
+    if row is not None and (rest := row.finish()):
+      yield Delta(-1, rest)
 
-  async def __aiter__(self):
-    iterator = iter(self)
-    done = object()
-    while True:
-      delta = await asyncio.to_thread(next, iterator, done)
-      if delta is done:
-        return
-      yield delta
+  async def __aiter__(self) -> AsyncIterator[Delta]:
+    row = None if self._tokenizer is None else RowText(self._tokenizer, self._stop)
+    async for event in self._group.async_events():
+      yield self._delta(row, event[0])
+    if row is not None and (rest := row.finish()):
+      yield Delta(-1, rest)
+
+  @staticmethod
+  def _delta(row: RowText | None, token: int) -> Delta:
+    return Delta(token, None if row is None else row.push(token))
 
 
 def request_stats(group: Group, live: _Live) -> dict[str, Any]:
@@ -323,6 +357,10 @@ class Scheduler:
     with self._wakeup:
       self._resume = True
       self._wakeup.notify()
+
+  @property
+  def closed(self) -> bool:
+    return self._closed
 
   def idle(self) -> bool:
     return not self._waiting and not self._slots
@@ -444,8 +482,8 @@ class Scheduler:
         self._inputs = None
 
   def _prefill(self) -> None:
-    """Cached prefixes of new prompts, then the first chunks of the new prompts together, or
-    else the next chunk of one prompt."""
+    """Cached prefixes of new prompts; then the next chunks of prompts already started
+    together (first come, first served), or else the first chunks of new prompts together."""
     lengths = self.config.buckets.prompt_lengths
     fresh = [x for x in self._slots if x.prefilled == 0 and not x.finished]
     if self.prefix is not None:
@@ -455,26 +493,52 @@ class Scheduler:
         if not live.looked_up:
           self._load_prefix(live)
       fresh = [x for x in fresh if x.prefilled == 0]
-    if fresh:
+    started = [x for x in self._slots if 0 < x.prefilled < len(x.prompt) and not x.finished]
+    if started:
+      self._later_chunks(started, lengths)
+    elif fresh:
       self._first_chunks(fresh, lengths)
-      return
-    live = next((x for x in self._slots if x.prefilled < len(x.prompt) and not x.finished),
-                None)
-    if live is None:
-      return
-    left = len(live.prompt) - live.prefilled
-    size = next((n for n in lengths if n >= left), lengths[-1])
-    length = min(size, left)
-    tokens = np.zeros((1, size), np.int32)
-    tokens[0, :length] = live.prompt[live.prefilled:live.prefilled + length]
-    staged = host_io.stage((tokens, self._sampling([live], 1)), self.inputs_at)
-    token, cache = self.table.get(("chunk", size))(
-        self.weights, self.cache.get(), staged[0], np.int32(live.slot), np.int32(live.prefilled),
-        np.int32(length), staged[1])
+
+  def _group(self, lives: list[_Live], batches: tuple[int, ...], size_of) -> list[_Live]:
+    """The longest run of `lives` (from the first) that one call of a batch bucket up to
+    batches[-1] rows and PREFILL_TOKENS padded tokens takes; `size_of(group)` is its chunk
+    size."""
+    budget = PREFILL_TOKENS * self.config.buckets.prompt_lengths[-1]
+    group = lives[:1]
+    for live in lives[1:]:
+      if len(group) == batches[-1]:
+        break
+      candidate = group + [live]
+      if next(b for b in batches if b >= len(candidate)) * size_of(candidate) > budget:
+        break
+      group = candidate
+    return group
+
+  def _later_chunks(self, started: list[_Live], lengths: tuple[int, ...]) -> None:
+    """The next chunk of up to PROMPT_BATCH started prompts in one "chunk" call, each at its
+    slot and cache offset."""
+    batches = self.table.prompt_batches()
+
+    def chunk_size(group):
+      longest = min(max(len(x.prompt) - x.prefilled for x in group), lengths[-1])
+      return next(n for n in lengths if n >= longest)
+
+    group = self._group(started, batches, chunk_size)
+    size, rows = chunk_size(group), next(b for b in batches if b >= len(group))
+    tokens = np.zeros((rows, size), np.int32)
+    slots, starts, counts = (np.zeros((rows,), np.int32) for _ in range(3))  # padding: nothing
+    for b, live in enumerate(group):
+      counts[b] = min(size, len(live.prompt) - live.prefilled)
+      tokens[b, :counts[b]] = live.prompt[live.prefilled:live.prefilled + counts[b]]
+      slots[b], starts[b] = live.slot, live.prefilled
+    staged = host_io.stage((tokens, slots, starts, counts, self._sampling(group, rows)),
+                           self.inputs_at)
+    new, cache = self.table.get(("chunk", rows, size))(self.weights, self.cache.get(), *staged)
     self.cache.set(cache)
     self.counters["chunks"] += 1
-    live.prefilled += length
-    self._join([live], np.asarray(token))
+    for b, live in enumerate(group):
+      live.prefilled += int(counts[b])
+    self._join(group, np.asarray(new))
 
   def _first_chunks(self, fresh: list[_Live], lengths: tuple[int, ...]) -> None:
     """The first chunk of up to PROMPT_BATCH new prompts in one "prompts" call: they hold
@@ -488,22 +552,18 @@ class Scheduler:
       if slot < len(self._slots) and self._slots[slot].prefilled > 0:
         break
       fits += 1
-    batches = [b for b in self.table.prompt_batches() if b <= fits] or [1]
-    budget = PREFILL_TOKENS * lengths[-1]
+    batches = tuple(b for b in self.table.prompt_batches() if b <= fits) or (1,)
 
     def chunk_size(group):
       longest = min(max(len(x.prompt) for x in group), lengths[-1])
       return next(n for n in lengths if n >= longest)
 
-    group = [fresh[0]]
+    consecutive = [fresh[0]]
     for live in fresh[1:]:
-      if len(group) == batches[-1] or live.slot != group[-1].slot + 1:
+      if live.slot != consecutive[-1].slot + 1:
         break
-      candidate = group + [live]
-      rows = next(b for b in batches if b >= len(candidate))
-      if rows * chunk_size(candidate) > budget:
-        break
-      group = candidate
+      consecutive.append(live)
+    group = self._group(consecutive, batches, chunk_size)
     size, rows = chunk_size(group), next(b for b in batches if b >= len(group))
     tokens = np.zeros((rows, size), np.int32)
     counts = np.ones((rows,), np.int32)  # padding rows: one token into a free slot

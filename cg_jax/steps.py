@@ -7,7 +7,8 @@ ahead of time per bucket (`cg_jax.executables`):
                                               -> (emitted[B], tokens[B], positions[B], cache)
   decode_loop(weights, cache, LoopState, eos[E], sampling)  -> (LoopState, out[B,loop_steps], cache)
   prompts(weights, cache, tokens[B,S], lengths[B], first, sampling)  -> (tokens[B], cache)
-  chunk(weights, cache, tokens[1,C], slot, start, length, sampling)  -> (token[1], cache)
+  chunk(weights, cache, tokens[B,C], slots[B], starts[B], lengths[B], sampling)
+                                                                   -> (tokens[B], cache)
   move(cache, source, target)                                      -> cache
   load(cache, pool, slot, ids[M], count)                           -> cache
   save(pool, cache, slot, targets[M])                              -> pool
@@ -149,23 +150,24 @@ class StepFunctions:
                                   shards=self.shards)
     return select_tokens(logits, lengths, sampling), cache
 
-  def chunk(self, weights, cache: KVCache, tokens, slot, start, length, sampling):
-    """One chunk of a prompt for cache row `slot`: tokens [1, C] of which the first `length` are
-    real, at positions start.. start + length - 1 (int32 scalars); the keys before `start` are
-    in the cache already. Returns the token after the chunk's last real token, [1] (sampled with
-    `sampling` of one row; meaningful after a prompt's last chunk), and the cache."""
+  def chunk(self, weights, cache: KVCache, tokens, slots, starts, lengths, sampling):
+    """A later chunk of B prompts at their cache offsets: row b's first lengths[b] tokens of
+    tokens [B, C] go to cache row slots[b] at positions starts[b].. (int32 [B]; the keys before
+    are in the cache already; a row of length 0 is padding and writes nothing). Returns each
+    row's token after its chunk's last real token, [B] (sampled with `sampling`; meaningful
+    after a prompt's last chunk), and the cache."""
     model = self.split.merge(weights)
     size = tokens.shape[1]
-    offsets = jnp.arange(size, dtype=jnp.int32)
-    # [1, C]; padding past `length` is -1 (not written)
-    positions = jnp.where(offsets < length, start + offsets, -1)[None, :]
-    rows = jnp.reshape(slot, (1,)).astype(jnp.int32)
-    hidden, cache = model.extend_hidden(tokens, positions, rows, cache, attention=self.attention,
-                                        layer_loop="scan", shards=self.shards)
-    # [1, D]: the last real token's hidden state
-    last = jax.lax.dynamic_index_in_dim(hidden[0], jnp.maximum(length - 1, 0), keepdims=True)
-    logits = model.unembed(last)
-    return select_tokens(logits, jnp.reshape(start + length, (1,)), sampling), cache
+    offsets = jnp.arange(size, dtype=jnp.int32)[None, :]
+    # [B, C]; padding past each row's length is -1 (not written)
+    positions = jnp.where(offsets < lengths[:, None], starts[:, None] + offsets, -1)
+    hidden, cache = model.extend_hidden(tokens, positions, slots, cache,
+                                        attention=self.attention, layer_loop="scan",
+                                        shards=self.shards)
+    # [B, 1, D]: each row's last real token's hidden state
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    logits = model.unembed(last[:, 0])
+    return select_tokens(logits, starts + lengths, sampling), cache
 
   @staticmethod
   def move(cache: KVCache, source, target):

@@ -215,13 +215,22 @@ def test_queue_overflow_is_an_error():
 
 
 def test_async_iteration(engine):
-  prompt = _prompts(6, 1)[0]
-  expected = engine.generate([prompt], max_new_tokens=8, eos_token_id=[])[0]
+  """12 requests streamed concurrently in one event loop get their solo tokens, and no thread
+  waits for them (the engine thread wakes the loop)."""
+  prompts = _prompts(6, 12)
+  expected = [engine.generate([p], max_new_tokens=8, eos_token_id=[])[0] for p in prompts]
 
-  async def collect():
+  async def collect(prompt):
     return [delta.token async for delta in engine.submit(prompt, 8, eos_token_id=[])]
 
-  assert asyncio.run(collect()) == expected
+  async def main():
+    threads = threading.active_count()
+    results = await asyncio.gather(*(collect(p) for p in prompts))
+    return results, threading.active_count() - threads
+
+  results, new_threads = asyncio.run(main())
+  assert results == expected
+  assert new_threads == 0
 
 
 def test_close_fails_pending_requests_and_leaves_no_thread():
