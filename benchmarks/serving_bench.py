@@ -44,7 +44,7 @@ try:  # the hf_continuous system only
 except ImportError:
   torch = None
 
-from cg_jax import Engine
+from cg_jax import Engine, host_io
 
 NEW_TOKENS = 128
 PROMPT_LENGTHS = (64, 480)
@@ -162,6 +162,18 @@ def prefill_probe(engine, prompts, repeats: int = 5) -> dict:
         np.asarray(new)
         times.append(time.perf_counter() - start)
       out[f"{name}_exe_ms"] = round(float(np.median(times[1:])) * 1e3, 2)
+  # The inputs of that call, to the device in one copy (host_io.stage) or through pinned host
+  # memory first (the former staging).
+  where = engine.input_placement
+  for name, put in (("direct_stage_ms", lambda t: host_io.stage(t, where)),
+                    ("pinned_stage_ms", lambda t: jax.device_put(
+                        jax.device_put(t, host_io.pinned_host(where)), host_io.on_device(where)))):
+    times = []
+    for _ in range(repeats * 4):
+      begin = time.perf_counter()
+      jax.block_until_ready(put((tokens, counts, sampling)))
+      times.append(time.perf_counter() - begin)
+    out[name] = round(float(np.median(times)) * 1e3, 3)
   request = engine.validate(prompts, 1, eos_token_id=[])
   for name, call in (("scheduler", lambda: engine.generate(prompts, 1, eos_token_id=[])),
                      ("static", lambda: engine._generator.generate(request))):

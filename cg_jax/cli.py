@@ -1,4 +1,6 @@
-"""Command line: `python -m cg_jax generate [--model PATH_OR_NAME] --prompt TEXT ...`."""
+"""Command line: `python -m cg_jax generate [--model PATH_OR_NAME] --prompt TEXT ...`,
+`python -m cg_jax serve [--model PATH_OR_NAME] [--port 8000]` (an OpenAI-compatible HTTP server;
+needs the `serve` extra) and `python -m cg_jax profile --model NAME`."""
 
 from __future__ import annotations
 
@@ -17,6 +19,14 @@ from cg_jax.hub import DEFAULT_MODEL, resolve_model
 from models import hf
 from models.config import PRESETS
 
+try:  # the HTTP server needs the `serve` extra (fastapi, uvicorn, prometheus-client, jinja2)
+  from cg_jax import server
+except ImportError as missing:
+  server = None
+  SERVER_MISSING = str(missing)
+else:
+  SERVER_MISSING = ""
+
 _HELP = argparse.ArgumentDefaultsHelpFormatter
 _DTYPES = ("float32", "bfloat16", "float16")
 _MODEL_HELP = ("checkpoint directory, bundled model (kjv-llama-6m is trained on the King James "
@@ -29,6 +39,11 @@ GENERATE_FLAGS = {
     "top_p": "--top-p", "seed": "--seed", "max_seq_len": "--max-seq-len",
     "tensor_parallel": "--tensor-parallel", "batch_buckets": "--batch-buckets",
     "batch_sizes": "--batch-buckets", "stop": "--stop"}
+SERVE_FLAGS = {
+    "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
+    "batch_buckets": "--batch-buckets", "batch_sizes": "--batch-buckets",
+    "prompt_buckets": "--prompt-buckets", "max_waiting": "--max-waiting",
+    "request_timeout": "--request-timeout"}
 PROFILE_FLAGS = {
     "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
     "position": "--position", "batch_buckets": "--batch", "batch_sizes": "--batch"}
@@ -79,6 +94,36 @@ def build_parser() -> argparse.ArgumentParser:
   output.add_argument("--stream", action="store_true",
                       help="print the text (or token ids) as it is produced; one prompt only")
   output.add_argument("--json", action="store_true", help="print one JSON object")
+
+  srv = sub.add_parser("serve", help="serve the model over HTTP with OpenAI's API "
+                       "(/v1/completions, /v1/chat/completions)", formatter_class=_HELP)
+  srv.add_argument("--model", default=DEFAULT_MODEL, help=_MODEL_HELP)
+  srv.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model`; None = --model as given")
+  srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+  srv.add_argument("--dtype", default=None, choices=_DTYPES,
+                   help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
+                        "elsewhere)")
+  srv.add_argument("--batch-buckets", type=_int_list, default=list(DEFAULT_BATCH_BUCKETS),
+                   help="batch sizes to compile, comma separated; the largest is the number of "
+                        "requests decoded together")
+  srv.add_argument("--prompt-buckets", type=_int_list, default=None,
+                   help="prompt chunk lengths to compile, comma separated; None = powers of two "
+                        "from 16 below --max-seq-len")
+  srv.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV cache length (prompt + new tokens); None = min(model context, 2048)")
+  srv.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split the model over this many devices (cg_jax.sharding)")
+  srv.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests that may wait for a slot; more are answered 429")
+  srv.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take (past it: 504); None = no limit")
+  srv.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM / SIGINT")
+  srv.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's log level")
 
   prof = sub.add_parser("profile", help="launch accounting of decode steps from a real profile",
                         formatter_class=_HELP)
@@ -236,6 +281,25 @@ def generate(args) -> int:
   return 0
 
 
+def serve(args) -> int:
+  if server is None:
+    print(f"error: `serve` needs the serve extra: pip install 'cg_jax[serve]' ({SERVER_MISSING})",
+          file=sys.stderr)
+    return 2
+  template = server.load_chat_template(args.model)
+  dtype = {} if args.dtype is None else {"dtype": args.dtype}  # None: the engine's default
+  engine = Engine.from_pretrained(args.model, batch_buckets=args.batch_buckets,
+                                  prompt_buckets=args.prompt_buckets,
+                                  max_seq_len=args.max_seq_len,
+                                  tensor_parallel=args.tensor_parallel,
+                                  max_waiting=args.max_waiting, **dtype)
+  app = server.create_app(engine, args.served_model_name or args.model, chat_template=template,
+                          request_timeout=args.request_timeout)
+  server.serve(app, host=args.host, port=args.port, graceful_timeout=args.graceful_timeout,
+               log_level=args.log_level)
+  return 0
+
+
 def flag_names(message: str, flags: dict[str, str], prompt_flag: str = "--prompt-ids") -> str:
   """An engine error message with its parameter names replaced by the CLI flags that set them:
   `input_ids[0][1]` -> `--prompt-ids #1, token 2`, `prompt 0` -> `--prompt-ids #1`,
@@ -257,10 +321,14 @@ def main(argv: list[str] | None = None) -> int:
       return generate(args)
     if args.command == "profile":
       return run_profile(args)
+    if args.command == "serve":
+      return serve(args)
   except (ValueError, TypeError) as err:
     if args.command == "generate":
       prompt_flag = "--prompt" if args.prompt is not None else "--prompt-ids"
       message = flag_names(str(err), GENERATE_FLAGS, prompt_flag)
+    elif args.command == "serve":
+      message = flag_names(str(err), SERVE_FLAGS)
     else:
       message = flag_names(str(err), PROFILE_FLAGS)
     print(f"error: {message}", file=sys.stderr)

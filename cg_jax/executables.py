@@ -115,9 +115,9 @@ class ExecutableTable:
     spec = jax.ShapeDtypeStruct(shape, self.dtype)
     return KVCache(k=spec, v=spec)
 
-  def row_blocks(self) -> int:
-    """M: the prefix blocks a cache row holds (the length of load's ids and save's targets)."""
-    return self.config.max_seq_len // self.config.prefix_block
+  def block_pairs(self) -> int:
+    """P: the (slot, block) pairs one load or save copies: four cache rows' worth of blocks."""
+    return 4 * max(self.config.max_seq_len // self.config.prefix_block, 1)
 
   def signature(self, key: tuple):
     """(function, abstract arguments, donated argument numbers, input placements, output
@@ -137,12 +137,13 @@ class ExecutableTable:
       pool = self.pool_spec()
       return (lambda: KVCache(k=jnp.zeros(pool.k.shape, pool.k.dtype),
                               v=jnp.zeros(pool.v.shape, pool.v.dtype))), (), (), (), "cache"
+    pairs = self.block_pairs()
     if phase == "load":
-      return (steps.load, (cache, self.pool_spec(), scalar, i32(self.row_blocks()), scalar),
-              (0,), ("cache", "cache", rep, rep, rep), "cache")
+      return (steps.load, (cache, self.pool_spec(), i32(pairs), i32(pairs), i32(pairs)), (0,),
+              ("cache", "cache", rep, rep, rep), "cache")
     if phase == "save":
-      return (steps.save, (self.pool_spec(), cache, scalar, i32(self.row_blocks())), (0,),
-              ("cache", "cache", rep, rep), "cache")
+      return (steps.save, (self.pool_spec(), cache, i32(pairs), i32(pairs), i32(pairs)), (0,),
+              ("cache", "cache", rep, rep, rep), "cache")
     if phase == "prompts":
       _, batch, length = key
       return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), scalar,

@@ -1,7 +1,8 @@
 """Host <-> device transfers that do not block the step loop.
 
-- Inputs are staged through pinned host memory and moved to the device asynchronously
-  (`stage`), so the next batch's transfer overlaps the current batch's compute.
+- Request inputs (token ids, lengths, sampling settings: kilobytes) go straight to the device
+  in one asynchronous copy (`stage`); a hop through pinned host memory first costs a
+  page-locked allocation per array, far more than the copy (benchmarks/results/serving_h200.md).
 - Outputs come back through `copy_to_host_async` (`AsyncReader`): a step's tokens are read
   one or more steps later, so the host never waits for step N before launching step N+1.
 - Whole pytrees (a KV cache) can be swapped out to pinned host memory and back (`to_host`,
@@ -36,9 +37,8 @@ def on_device(where) -> Sharding:
 
 
 def stage(tree: Any, where) -> Any:
-  """Host arrays -> pinned host buffers -> device buffers; both copies are asynchronous.
-  `where`: a device, or a sharding for the device copies."""
-  return jax.device_put(jax.device_put(tree, pinned_host(where)), on_device(where))
+  """Host arrays -> device buffers, asynchronously. `where`: a device, or a sharding."""
+  return jax.device_put(tree, on_device(where))
 
 
 def to_host(tree: Any, where) -> Any:

@@ -489,9 +489,9 @@ class Scheduler:
     if self.prefix is not None:
       # Only the prompts next in line ask the cache: those behind them may find the blocks
       # these are about to write.
-      for live in fresh[:PROMPT_BATCH]:
-        if not live.looked_up:
-          self._load_prefix(live)
+      pairs = [pair for live in fresh[:PROMPT_BATCH] if not live.looked_up
+               for pair in self._load_prefix(live)]
+      self._copy_blocks("load", pairs)
       fresh = [x for x in fresh if x.prefilled == 0]
     started = [x for x in self._slots if 0 < x.prefilled < len(x.prompt) and not x.finished]
     if started:
@@ -579,27 +579,32 @@ class Scheduler:
       live.prefilled = int(counts[b])
     self._join(group, np.asarray(new))
 
-  def _load_prefix(self, live: _Live) -> None:
-    """A new request's cached prompt blocks, copied into its slot."""
+  def _load_prefix(self, live: _Live) -> list[tuple[int, int, int]]:
+    """A new request's cached prompt blocks: (slot, block, pool block) pairs to copy."""
     live.looked_up = True
     ids = self.prefix.lookup(live.prompt)
-    if not ids:
-      return
-    row = np.zeros((self.table.row_blocks(),), np.int32)
-    row[:len(ids)] = ids
-    self.cache.set(self.table.get(("load",))(self.cache.get(), self.pool.get(),
-                                             np.int32(live.slot), row, np.int32(len(ids))))
     live.prefilled = len(ids) * self.config.prefix_block
+    return [(live.slot, block, source) for block, source in enumerate(ids)]
 
-  def _save_prefix(self, live: _Live) -> None:
-    """A prefilled prompt's full blocks not in the prefix cache yet, copied into its pool."""
-    targets = self.prefix.insert(live.prompt)
-    if not any(t is not None for t in targets):
-      return
-    row = np.full((self.table.row_blocks(),), -1, np.int32)
-    row[:len(targets)] = [-1 if t is None else t for t in targets]
-    self.pool.set(self.table.get(("save",))(self.pool.get(), self.cache.get(),
-                                            np.int32(live.slot), row))
+  def _save_prefix(self, lives: list[_Live]) -> None:
+    """Prefilled prompts' full blocks not in the prefix cache yet, copied into its pool."""
+    pairs = [(live.slot, block, target) for live in lives
+             for block, target in enumerate(self.prefix.insert(live.prompt)) if target is not None]
+    self._copy_blocks("save", pairs)
+
+  def _copy_blocks(self, phase: str, pairs: list[tuple[int, int, int]]) -> None:
+    """(slot, block, pool block) pairs: "load" copies pool -> cache, "save" cache -> pool."""
+    size = self.table.block_pairs()
+    for start in range(0, len(pairs), size):
+      part = np.full((3, size), -1, np.int32)  # padding pairs copy nothing
+      part[:, :len(pairs[start:start + size])] = np.array(pairs[start:start + size]).T
+      slots, blocks, pool_ids = host_io.stage(tuple(part), self.inputs_at)
+      if phase == "load":
+        self.cache.set(self.table.get(("load",))(self.cache.get(), self.pool.get(), slots,
+                                                 blocks, pool_ids))
+      else:
+        self.pool.set(self.table.get(("save",))(self.pool.get(), self.cache.get(), slots,
+                                                blocks, pool_ids))
 
   def _join(self, lives: list[_Live], tokens: np.ndarray) -> None:
     """Requests whose chunk completed their prompt join the decode batch with its token (and
@@ -609,9 +614,9 @@ class Scheduler:
     for live, _ in done:
       live.position, live.decoding = len(live.prompt), True
       self._inputs = None
-      if self.prefix is not None:
-        self._save_prefix(live)
     self._deliver(done)
+    if self.prefix is not None:
+      self._save_prefix([live for live, _ in done])
 
   def _deliver(self, new: list[tuple[_Live, int]]) -> None:
     """One step's new tokens: emitted to their groups (one event per group), then each request

@@ -10,11 +10,11 @@ ahead of time per bucket (`cg_jax.executables`):
   chunk(weights, cache, tokens[B,C], slots[B], starts[B], lengths[B], sampling)
                                                                    -> (tokens[B], cache)
   move(cache, source, target)                                      -> cache
-  load(cache, pool, slot, ids[M], count)                           -> cache
-  save(pool, cache, slot, targets[M])                              -> pool
+  load(cache, pool, slots[P], blocks[P], sources[P])               -> cache
+  save(pool, cache, slots[P], blocks[P], targets[P])               -> pool
 
 `pool` is the prefix cache's block pool, a KVCache of [L, N, G, K, H] arrays (N blocks of G
-tokens; M = T // G blocks per cache row; `cg_jax.prefix_cache` keeps its index).
+tokens; `cg_jax.prefix_cache` keeps its index); load and save copy P (slot, block) pairs.
 
 A negative position marks an idle row of a decode step (a cache slot not decoding): it writes
 nothing, and stays negative.
@@ -179,31 +179,28 @@ class StepFunctions:
     return KVCache(k=one(cache.k), v=one(cache.v))
 
   @staticmethod
-  def load(cache: KVCache, pool: KVCache, slot, ids, count):
-    """Cache row `slot`'s first `count` blocks <- pool blocks ids[:count] (int32 [M]; the rest
-    is ignored); the row's other positions are unchanged."""
-    def one(array, blocks):
-      layers, _, block, heads, dim = blocks.shape
-      span = ids.shape[0] * block
-      # [L, N, G, K, H] -> [L, M * G, K, H]
-      taken = jnp.take(blocks, ids, axis=1, mode="clip").reshape(layers, span, heads, dim)
-      # [L, 1, M * G, K, H]
-      row = jax.lax.dynamic_slice(array, (0, slot, 0, 0, 0), (layers, 1, span, heads, dim))
-      keep = (jnp.arange(span) < count * block)[None, None, :, None, None]
-      return jax.lax.dynamic_update_slice(array, jnp.where(keep, taken[:, None], row),
-                                          (0, slot, 0, 0, 0))
+  def load(cache: KVCache, pool: KVCache, slots, blocks, sources):
+    """Cache row slots[p]'s block blocks[p] <- pool block sources[p], for each pair p (int32
+    [P]) with slots[p] >= 0 (the rest is padding)."""
+    def one(array, pool_array):
+      block = pool_array.shape[2]
+      # [P, G]: the positions of each pair's block in its row
+      positions = blocks[:, None] * block + jnp.arange(block)[None, :]
+      rows = jnp.where(slots < 0, array.shape[1], slots)  # out of range: dropped
+      # [L, N, G, K, H] -> [L, P, G, K, H]
+      taken = jnp.take(pool_array, sources, axis=1, mode="clip")
+      return array.at[:, rows[:, None], positions].set(taken, mode="drop")
     return KVCache(k=one(cache.k, pool.k), v=one(cache.v, pool.v))
 
   @staticmethod
-  def save(pool: KVCache, cache: KVCache, slot, targets):
-    """Pool block targets[i] <- cache row `slot`'s block i, for each targets[i] >= 0 (int32
-    [M]; -1 writes nothing)."""
-    def one(blocks, array):
-      layers, count, block, heads, dim = blocks.shape
-      span = targets.shape[0] * block
-      # [L, 1, M * G, K, H] -> [L, M, G, K, H]
-      row = jax.lax.dynamic_slice(array, (0, slot, 0, 0, 0), (layers, 1, span, heads, dim))
-      row = row.reshape(layers, targets.shape[0], block, heads, dim)
+  def save(pool: KVCache, cache: KVCache, slots, blocks, targets):
+    """Pool block targets[p] <- cache row slots[p]'s block blocks[p], for each pair p (int32
+    [P]) with targets[p] >= 0 (the rest is padding)."""
+    def one(pool_array, array):
+      count, block = pool_array.shape[1], pool_array.shape[2]
+      positions = blocks[:, None] * block + jnp.arange(block)[None, :]
+      # [L, B', T, K, H] -> [L, P, G, K, H]
+      taken = array[:, jnp.maximum(slots, 0)[:, None], positions]
       where = jnp.where(targets < 0, count, targets)  # out of range: dropped
-      return blocks.at[:, where].set(row, mode="drop")
+      return pool_array.at[:, where].set(taken, mode="drop")
     return KVCache(k=one(pool.k, cache.k), v=one(pool.v, cache.v))

@@ -176,8 +176,11 @@ def test_help_shows_every_default(monkeypatch, capsys):
     if name == "generate":
       assert "--max-new-tokens MAX_NEW_TOKENS tokens to generate per prompt (default: 32)" in shown
       assert "None = auto (bfloat16 on GPU, float32 elsewhere) (default: None)" in shown
-    else:
+    elif name == "profile":
       assert "None = min(model context, 1024) (default: None)" in shown
+    else:
+      assert name == "serve", name
+      assert "--port PORT port to listen on (0: any free one) (default: 8000)" in shown
 
 
 def test_stream_prints_what_generate_prints(checkpoint):

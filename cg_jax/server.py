@@ -1,0 +1,890 @@
+"""An OpenAI-compatible HTTP server over one `Engine` (FastAPI + uvicorn).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (server-sent events with
+`stream: true`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+Rules:
+  * Every request is validated on the host before anything is queued; a bad one gets a 400 in
+    OpenAI's error format naming the parameter, the value and the allowed range (FastAPI's 422
+    validation errors included). An unknown model is a 404, a full queue (`QueueFull`) a 429, a
+    closed engine a 503, a request past its `request_timeout` a 504.
+  * The event loop never blocks on the engine: tokens arrive through the handles' `async for`.
+  * A client that disconnects cancels its requests, which frees their slots.
+  * The app's lifespan warms the engine up before the first request (nothing compiles on the
+    request path) and closes it at shutdown; uvicorn's graceful shutdown lets in-flight requests
+    finish for `graceful_timeout` seconds, then cancels them.
+  * `temperature` 0 is greedy; `top_k` (0 or -1 = off), `ignore_eos` and `return_token_ids`
+    (token ids in each choice and chunk) are extensions. `n`, `best_of` are 1; log-probabilities,
+    `echo`, `suffix`, penalties, `logit_bias` and tools are not supported (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Annotated, Any, ClassVar
+
+import fastapi
+import uvicorn
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cg_jax import validation
+from cg_jax.chat_template import ChatTemplate, TemplateError
+from cg_jax.engine import Engine
+from cg_jax.hub import resolve_model
+from cg_jax.scheduler import Completion, Delta, EngineClosed, Handle, QueueFull, RequestTimeout
+from models.config import PRESETS
+
+MAX_TEMPERATURE = 2.0
+DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's; chat's is the rest of the context
+MAX_SEED = 2**32 - 1
+# Seconds the first token and each next one may take: the histograms' buckets.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+
+
+class ApiError(Exception):
+  """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+
+  def __init__(self, status: int, message: str, *, param: str | None = None,
+               type: str = "invalid_request_error", code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+  def body(self) -> dict[str, Any]:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                      "code": self.code}}
+
+  def response(self) -> JSONResponse:
+    return JSONResponse(self.body(), status_code=self.status)
+
+
+def _bad(param: str | None, message: str, code: str | None = None) -> ApiError:
+  return ApiError(400, message, param=param, code=code)
+
+
+def engine_error(error: BaseException) -> ApiError:
+  """The API error of an engine exception (from `submit` or a running request)."""
+  if isinstance(error, QueueFull):
+    return ApiError(429, str(error), type="rate_limit_error", code="rate_limit_exceeded")
+  if isinstance(error, EngineClosed):
+    return ApiError(503, str(error), type="server_error", code="engine_closed")
+  if isinstance(error, RequestTimeout):
+    return ApiError(504, str(error), type="timeout_error", code="timeout")
+  if isinstance(error, (ValueError, TypeError)):
+    message = str(error).replace("max_new_tokens", "max_tokens")
+    param = next((name for name in ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                                    "prompt", "input_ids") if name in message), None)
+    return _bad("prompt" if param == "input_ids" else param, message)
+  return ApiError(500, f"{type(error).__name__}: {error}", type="server_error")
+
+
+def _validation_error(error: RequestValidationError) -> ApiError:
+  """FastAPI's first validation error as a 400 naming the parameter."""
+  first = error.errors()[0]
+  # Field names and indices; not "body" nor union members' tags such as "list[int]".
+  loc = [part for part in first.get("loc", ()) if part != "body"
+         and not (isinstance(part, str) and ("[" in part or "-" in part))]
+  param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+  kind, message = first.get("type", ""), first.get("msg", "invalid value")
+  if kind == "json_invalid":
+    reason = first.get("ctx", {}).get("error", message)
+    return _bad(None, f"the request body is not valid JSON: {reason}")
+  if kind == "missing":
+    return _bad(param, f"missing required parameter: {param!r}" if param
+                else "the request needs a JSON body")
+  if kind == "extra_forbidden":
+    return _bad(param, f"unrecognized request argument supplied: {param!r}")
+  if param is None:
+    return _bad(None, "the request body must be a JSON object, sent with Content-Type: "
+                      "application/json")
+  if kind == "value_error":
+    return _bad(param, message.removeprefix("Value error, "))
+  got = first.get("input")
+  return _bad(param, f"invalid value for {param!r}: {message[:1].lower()}{message[1:]}, got "
+                     f"{json.dumps(got) if _jsonable(got) else repr(got)}")
+
+
+def _jsonable(value) -> bool:
+  try:
+    json.dumps(value)
+  except (TypeError, ValueError):
+    return False
+  return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Request models (OpenAI's fields; the unsupported ones are checked in `_check_unsupported`)
+
+
+def _is_token(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_shape(value):
+  if isinstance(value, str):
+    return value
+  if isinstance(value, list) and value:
+    if all(isinstance(x, str) for x in value) or all(_is_token(x) for x in value):
+      return value
+    if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in value):
+      return value
+  if isinstance(value, list) and not value:
+    raise ValueError("prompt is empty: give a string, a list of strings, a list of token ids or "
+                     "a list of token-id lists")
+  raise ValueError(f"prompt must be a string, a list of strings, a list of token ids or a list "
+                   f"of token-id lists, got {_short(value)}")
+
+
+def _stop_shape(value):
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, list) and all(isinstance(s, str) for s in value):
+    return value
+  raise ValueError(f"stop must be a string or a list of strings, got {_short(value)}")
+
+
+def _content_shape(value):
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, list) and all(isinstance(p, Mapping) and isinstance(p.get("type"), str)
+                                     for p in value):
+    return value
+  raise ValueError(f"content must be a string or a list of content parts ({{\"type\": \"text\", "
+                   f"\"text\": ...}}), got {_short(value)}")
+
+
+def _short(value) -> str:
+  text = json.dumps(value) if _jsonable(value) else repr(value)
+  return text if len(text) <= 80 else text[:77] + "..."
+
+
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_prompt_shape)]
+Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_shape)]
+_STRICT = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+
+class StreamOptions(BaseModel):
+  model_config = _STRICT
+  include_usage: bool | None = None
+
+
+class _Sampling(BaseModel):
+  """The fields both endpoints share."""
+
+  model_config = _STRICT
+  model: str
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  seed: int | None = None
+  stop: Stop = None
+  stream: bool | None = False
+  stream_options: StreamOptions | None = None
+  n: int | None = None
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  logit_bias: dict[str, float] | None = None
+  user: str | None = None
+  ignore_eos: bool = False
+  return_token_ids: bool = False
+
+
+class CompletionRequest(_Sampling):
+  """POST /v1/completions."""
+
+  prompt: Prompt
+  max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS
+  best_of: int | None = None
+  logprobs: int | None = None
+  echo: bool | None = None
+  suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+  model_config = ConfigDict(strict=True, frozen=True, extra="allow")
+  type: str
+  text: str | None = None
+
+
+class ChatMessage(BaseModel):
+  """A message; fields beyond role, content and name reach the template as they are."""
+
+  model_config = ConfigDict(strict=True, frozen=True, extra="allow")
+  role: str
+  content: Annotated[str | list[ContentPart] | None, BeforeValidator(_content_shape)] = None
+  name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+  """POST /v1/chat/completions."""
+
+  messages: list[ChatMessage] = Field(min_length=1)
+  max_tokens: int | None = None
+  max_completion_tokens: int | None = None
+  logprobs: bool | None = None
+  top_logprobs: int | None = None
+  tools: list[dict[str, Any]] | None = None
+  tool_choice: str | dict[str, Any] | None = None
+  parallel_tool_calls: bool | None = None
+  response_format: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+
+
+class _EngineGauges:
+  """Gauges read from `engine.stats()` at each scrape: queue depth, running requests, slot
+  occupancy, compiles since warm-up and every numeric `prefix_cache_*` entry."""
+
+  GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
+      "waiting": ("cg_jax_requests_waiting", "requests in the engine's waiting queue"),
+      "running": ("cg_jax_requests_running", "requests holding a KV-cache slot"),
+      "slot_occupancy": ("cg_jax_slot_occupancy", "share of the KV-cache slots in use"),
+      "compiles_since_warmup": ("cg_jax_compiles_since_warmup",
+                                "XLA compilations after warm-up (0 when serving)")}
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+
+  def collect(self):
+    stats = self.engine.stats()
+    for key, (name, help_text) in self.GAUGES.items():
+      if _is_number(stats.get(key)):
+        yield GaugeMetricFamily(name, help_text, value=stats[key])
+    for key, value in stats.items():
+      if key.startswith("prefix_cache_") and _is_number(value):
+        yield GaugeMetricFamily(f"cg_jax_{key}", f"engine.stats()[{key!r}]", value=value)
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class Metrics:
+  """The app's Prometheus metrics, in a registry of its own."""
+
+  def __init__(self, engine: Engine):
+    self.registry = CollectorRegistry()
+    r = self.registry
+    self.requests = Counter("cg_jax_http_requests", "HTTP requests by endpoint and status",
+                            ("endpoint", "status"), registry=r)
+    self.prompt_tokens = Counter("cg_jax_prompt_tokens", "prompt tokens of accepted requests",
+                                 registry=r)
+    self.generated_tokens = Counter("cg_jax_generation_tokens", "tokens of the finished requests",
+                                    registry=r)
+    self.cancelled = Counter("cg_jax_requests_cancelled",
+                             "requests cancelled because their client disconnected", registry=r)
+    self.ttft = Histogram("cg_jax_time_to_first_token_seconds",
+                          "submit to first token, per request", buckets=TTFT_BUCKETS, registry=r)
+    self.tpot = Histogram("cg_jax_time_per_output_token_seconds",
+                          "seconds per token after the first, per request", buckets=TPOT_BUCKETS,
+                          registry=r)
+    self.duration = Histogram("cg_jax_request_duration_seconds",
+                              "submit to last token, per request", buckets=DURATION_BUCKETS,
+                              registry=r)
+    r.register(_EngineGauges(engine))
+
+  def finished(self, completion: Completion) -> None:
+    stats = completion.stats
+    self.generated_tokens.inc(len(completion.tokens))
+    if stats.get("ttft_s") is not None:
+      self.ttft.observe(stats["ttft_s"])
+    if stats.get("per_token_s") is not None and len(completion.tokens) > 1:
+      self.tpot.observe(stats["per_token_s"])
+    if stats.get("total_s") is not None:
+      self.duration.observe(stats["total_s"])
+
+  def text(self) -> bytes:
+    return generate_latest(self.registry)
+
+
+class _CountRequests:
+  """ASGI middleware: counts each HTTP request by endpoint (unknown paths as "other") and the
+  status it was answered with."""
+
+  def __init__(self, app, metrics: Metrics, endpoints: frozenset[str]):
+    self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      await self.app(scope, receive, send)
+      return
+    status = [500]
+
+    async def watch(message):
+      if message["type"] == "http.response.start":
+        status[0] = message["status"]
+      await send(message)
+
+    try:
+      await self.app(scope, receive, watch)
+    finally:
+      path = scope.get("path", "")
+      endpoint = path if path in self.endpoints else "other"
+      self.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests into engine work
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """One prompt of a request, validated: its token ids and `engine.submit`'s keywords."""
+
+  ids: list[int]
+  options: dict[str, Any]
+
+
+class _ClientGone(Exception):
+  """The client disconnected before its response was ready."""
+
+
+class _EventStream(StreamingResponse):
+  """Server-sent events that cancel their requests however the response ends."""
+
+  def __init__(self, content: AsyncIterator[str], handles: Sequence[Handle]):
+    super().__init__(content, media_type="text/event-stream",
+                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    self._handles = handles
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      for handle in self._handles:
+        handle.cancel()
+
+
+def _event(data: Mapping[str, Any]) -> str:
+  return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _finish(handle: Handle) -> Completion:
+  """The request's completion, awaited through its deltas."""
+  async for _ in handle:
+    pass
+  return await asyncio.to_thread(handle.result)
+
+
+class Service:
+  """What the endpoints do, over one engine.
+
+  Args:
+    engine: the engine (its tokenizer encodes text prompts and decodes the output).
+    model_name: the name requests must give as `model`.
+    chat_template: the model's template for /v1/chat/completions, or None (then a 400).
+    request_timeout: seconds a request may take (None: no limit).
+  """
+
+  def __init__(self, engine: Engine, model_name: str, chat_template: ChatTemplate | None,
+               request_timeout: float | None):
+    self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
+    self.request_timeout = request_timeout
+    self.metrics = Metrics(engine)
+    self.closing = False
+    self.created = int(time.time())
+
+  # Validation --------------------------------------------------------------------------------
+
+  def _check_model(self, name: str) -> None:
+    if name != self.model_name:
+      raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                          f"{self.model_name!r}", param="model", code="model_not_found")
+
+  @staticmethod
+  def _check_unsupported(body: _Sampling) -> None:
+    if body.n not in (None, 1):
+      raise _bad("n", f"n={body.n} is not supported: allowed n=1 (one choice per prompt)")
+    for name in ("presence_penalty", "frequency_penalty"):
+      value = getattr(body, name)
+      if value not in (None, 0):
+        raise _bad(name, f"{name}={value} is not supported: allowed 0 (no penalty)")
+    if body.logit_bias:
+      raise _bad("logit_bias", "logit_bias is not supported: allowed null or {}")
+    if body.stream_options is not None and not body.stream:
+      raise _bad("stream_options", "stream_options needs stream=true")
+    if isinstance(body, CompletionRequest):
+      if body.best_of not in (None, 1):
+        raise _bad("best_of", f"best_of={body.best_of} is not supported: allowed best_of=1")
+      if body.logprobs is not None:
+        raise _bad("logprobs", "logprobs are not supported yet: allowed null",
+                   code="unsupported_parameter")
+      if body.echo:
+        raise _bad("echo", "echo=true is not supported yet: allowed false",
+                   code="unsupported_parameter")
+      if body.suffix is not None:
+        raise _bad("suffix", "suffix is not supported: allowed null")
+    else:
+      if body.logprobs:
+        raise _bad("logprobs", "logprobs are not supported yet: allowed false or null",
+                   code="unsupported_parameter")
+      if body.top_logprobs is not None:
+        raise _bad("top_logprobs", "top_logprobs are not supported yet: allowed null",
+                   code="unsupported_parameter")
+      if body.tools:
+        raise _bad("tools", "tools are not supported: allowed null or []")
+      if body.tool_choice not in (None, "none", "auto"):
+        raise _bad("tool_choice", f"tool_choice={_short(body.tool_choice)} is not supported: "
+                                  "allowed null, \"none\" or \"auto\" (no tools)")
+      kind = (body.response_format or {}).get("type", "text")
+      if kind != "text":
+        raise _bad("response_format", f"response_format type {_short(kind)} is not supported: "
+                                      "allowed \"text\"")
+
+  def _sampling(self, body: _Sampling) -> dict[str, Any]:
+    """`engine.submit` keywords of the sampling fields (temperature 0: greedy)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+      raise _bad("temperature", f"temperature={temperature} is out of range: allowed 0 to "
+                                f"{MAX_TEMPERATURE:g} (0 = greedy)")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+      raise _bad("top_p", f"top_p={top_p} is out of range: allowed above 0 up to 1 (1 = off)")
+    top_k = 0 if body.top_k in (None, -1) else body.top_k
+    if top_k < 0:
+      raise _bad("top_k", f"top_k={top_k} is out of range: allowed 0 or -1 (off) or a "
+                          f"positive number of tokens")
+    if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
+      raise _bad("seed", f"seed={body.seed} is out of range: allowed 0 to {MAX_SEED}")
+    try:
+      stop = validation.stop_strings(body.stop, self.engine.tokenizer is not None)
+    except (ValueError, TypeError) as error:
+      raise _bad("stop", str(error)) from None
+    greedy = temperature == 0
+    options = dict(do_sample=not greedy, temperature=temperature,
+                   top_k=0 if greedy else top_k, top_p=1.0 if greedy else top_p, seed=body.seed,
+                   stop=list(stop) or None, timeout=self.request_timeout)
+    if body.ignore_eos:
+      options["eos_token_id"] = []
+    return options
+
+  def _lengths(self, prompts: list[list[int]], max_tokens: int | None, param: str,
+               max_param: str) -> list[int]:
+    """Each prompt's token budget: `max_tokens`, or (None) the rest of the context."""
+    context = self.engine.config.max_seq_len
+    budgets = []
+    for i, ids in enumerate(prompts):
+      which = {"messages": "the rendered chat"}.get(param, "the prompt")
+      if len(prompts) > 1:
+        which = f"{param}[{i}]"
+      if len(ids) >= context:
+        raise _bad(param, f"{which} has {len(ids)} tokens; the context holds {context} tokens "
+                          f"(prompt + completion), so a prompt may have 1 to {context - 1}",
+                   code="context_length_exceeded")
+      room = context - len(ids)
+      if max_tokens is None:
+        budgets.append(room)
+      elif not 1 <= max_tokens <= room:
+        raise _bad(max_param, f"{max_param}={max_tokens} is out of range: {which} has {len(ids)} "
+                              f"tokens and the context holds {context}; allowed {max_param} 1 "
+                              f"to {room}", code="context_length_exceeded")
+      else:
+        budgets.append(max_tokens)
+    return budgets
+
+  def _token_ids(self, prompt) -> list[list[int]]:
+    """The prompts of a completion request as token-id lists."""
+    vocab = self.engine.model_config.vocab_size
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+      texts = [prompt] if isinstance(prompt, str) else prompt
+      tokenizer = self._tokenizer("prompt")
+      prompts = [tokenizer.encode(text).ids for text in texts]
+    else:
+      prompts = [prompt] if _is_token(prompt[0]) else prompt
+    limit = self.engine.config.max_waiting
+    if len(prompts) > limit:
+      raise _bad("prompt", f"the request has {len(prompts)} prompts; allowed 1 to {limit}")
+    for i, ids in enumerate(prompts):
+      where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+      if not ids:
+        raise _bad("prompt", f"{where} is empty: it needs at least one token")
+      for j, token in enumerate(ids):
+        if not 0 <= token < vocab:
+          raise _bad("prompt", f"{where}[{j}] = {token} is not a token id of this model: allowed "
+                               f"0 to {vocab - 1}")
+    return prompts
+
+  def _tokenizer(self, param: str):
+    if self.engine.tokenizer is None:
+      raise _bad(param, f"the model {self.model_name!r} has no tokenizer (no tokenizer.json in "
+                        "its checkpoint): send the prompt to /v1/completions as token ids")
+    return self.engine.tokenizer
+
+  def completion_jobs(self, body: CompletionRequest) -> list[Job]:
+    self._check_model(body.model)
+    self._check_unsupported(body)
+    options = self._sampling(body)
+    prompts = self._token_ids(body.prompt)
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    budgets = self._lengths(prompts, max_tokens, "prompt", "max_tokens")
+    return [Job(ids, dict(options, max_new_tokens=b)) for ids, b in zip(prompts, budgets)]
+
+  def chat_jobs(self, body: ChatCompletionRequest) -> list[Job]:
+    self._check_model(body.model)
+    self._check_unsupported(body)
+    options = self._sampling(body)
+    if self.chat_template is None:
+      raise _bad("messages", f"the model {self.model_name!r} has no chat template (no "
+                             "chat_template in its tokenizer_config.json): use /v1/completions",
+                 code="no_chat_template")
+    tokenizer = self._tokenizer("messages")
+    text = self.render(body.messages)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if not ids:
+      raise _bad("messages", "the rendered chat prompt is empty")
+    max_tokens, name = body.max_tokens, "max_tokens"
+    if body.max_completion_tokens is not None:
+      max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
+    budgets = self._lengths([ids], max_tokens, "messages", name)
+    return [Job(ids, dict(options, max_new_tokens=budgets[0]))]
+
+  def render(self, messages: Sequence[ChatMessage]) -> str:
+    """The chat prompt of `messages` (text content parts joined)."""
+    chat = []
+    for i, message in enumerate(messages):
+      data = message.model_dump()
+      if isinstance(message.content, list):
+        texts = []
+        for j, part in enumerate(message.content):
+          if part.type != "text" or part.text is None:
+            raise _bad(f"messages[{i}].content[{j}]", f"content part type {part.type!r} is not "
+                                                      "supported: allowed \"text\" with a text")
+          texts.append(part.text)
+        data["content"] = "".join(texts)
+      chat.append(data)
+    try:
+      return self.chat_template.render(chat, add_generation_prompt=True)
+    except TemplateError as error:
+      raise _bad("messages", f"the chat template rejected the messages: {error}") from None
+
+  # Running ---------------------------------------------------------------------------------
+
+  def submit(self, jobs: list[Job]) -> list[Handle]:
+    """Queue every job, or none (a failed submit cancels the ones before it)."""
+    if self.closing:
+      raise ApiError(503, "the server is shutting down", type="server_error",
+                     code="engine_closed")
+    handles = []
+    try:
+      for job in jobs:
+        handles.append(self.engine.submit(job.ids, **job.options))
+    except Exception as error:  # noqa: BLE001 - every failure cancels the jobs queued before it
+      for handle in handles:
+        handle.cancel()
+      raise engine_error(error) from None
+    self.metrics.prompt_tokens.inc(sum(len(job.ids) for job in jobs))
+    return handles
+
+  async def complete(self, request: fastapi.Request, handles: list[Handle]) -> list[Completion]:
+    """Every request's completion; raises `_ClientGone` (requests cancelled) if the client
+    disconnects first."""
+    work = asyncio.ensure_future(asyncio.gather(*(_finish(h) for h in handles)))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+      await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+      if not work.done():
+        self.metrics.cancelled.inc(len(handles))
+        raise _ClientGone()
+      try:
+        completions = work.result()
+      except Exception as error:  # noqa: BLE001 - answered in OpenAI's format
+        raise engine_error(error) from None
+    finally:
+      gone.cancel()
+      work.cancel()
+      for handle in handles:
+        handle.cancel()
+    for completion in completions:
+      self.metrics.finished(completion)
+    return completions
+
+  async def events(self, jobs: list[Job], handles: list[Handle], *, chat: bool,
+                   include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request: chunks as tokens arrive (a choice per
+    prompt), a last chunk per choice with its finish_reason, the usage chunk if asked, then
+    [DONE]. An error after the first event is sent as an error event before [DONE]."""
+    chunk = _Chunks(self.model_name, chat, include_usage, token_ids)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: Handle):
+      try:
+        async for delta in handle:
+          queue.put_nowait((index, delta))
+        queue.put_nowait((index, await asyncio.to_thread(handle.result)))
+      except Exception as error:  # noqa: BLE001 - the stream reports it
+        queue.put_nowait((index, error))
+
+    tasks = []
+    completions: list[Completion | None] = [None] * len(handles)
+    failed = False
+    try:
+      if chat:
+        yield _event(chunk.choices([chunk.role(i) for i in range(len(handles))]))
+      tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+      while any(c is None for c in completions):
+        index, item = await queue.get()
+        if isinstance(item, Delta):
+          if item.text or (token_ids and item.token >= 0):
+            ids = [item.token] if item.token >= 0 else []
+            yield _event(chunk.choices([chunk.delta(index, item.text or "", ids)]))
+        elif isinstance(item, Completion):
+          completions[index] = item
+          self.metrics.finished(item)
+          yield _event(chunk.choices([chunk.final(index, item.finish_reason)]))
+        else:
+          failed = True
+          yield _event(engine_error(item).body())
+          break
+      else:
+        if include_usage:
+          yield _event(chunk.usage(_usage(jobs, completions)))
+      yield "data: [DONE]\n\n"
+    finally:
+      if not failed and any(c is None for c in completions):  # the client went away
+        self.metrics.cancelled.inc(sum(c is None for c in completions))
+      for task in tasks:
+        task.cancel()
+      for handle in handles:
+        handle.cancel()
+
+
+async def _disconnected(request: fastapi.Request) -> None:
+  """Returns once the client has disconnected (the body was read already)."""
+  while True:
+    message = await request.receive()
+    if message["type"] == "http.disconnect":
+      return
+
+
+def _usage(jobs: Sequence[Job], completions: Sequence[Completion]) -> dict[str, int]:
+  prompt = sum(len(job.ids) for job in jobs)
+  generated = sum(len(c.tokens) for c in completions)
+  return {"prompt_tokens": prompt, "completion_tokens": generated,
+          "total_tokens": prompt + generated}
+
+
+class _Chunks:
+  """Stream chunks of one response (completion or chat), sharing its id and time."""
+
+  def __init__(self, model: str, chat: bool, include_usage: bool, token_ids: bool):
+    self.model, self.chat = model, chat
+    self.include_usage, self.token_ids = include_usage, token_ids
+    self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    self.created = int(time.time())
+
+  def choices(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    data = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": choices}
+    if self.include_usage:
+      data["usage"] = None
+    return data
+
+  def usage(self, usage: dict[str, int]) -> dict[str, Any]:
+    return dict(self.choices([]), usage=usage)
+
+  def role(self, index: int) -> dict[str, Any]:
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}
+
+  def delta(self, index: int, text: str, ids: list[int]) -> dict[str, Any]:
+    if self.chat:
+      choice = {"index": index, "delta": {"content": text}, "logprobs": None,
+                "finish_reason": None}
+    else:
+      choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+    if self.token_ids:
+      choice["token_ids"] = ids
+    return choice
+
+  def final(self, index: int, finish_reason: str) -> dict[str, Any]:
+    if self.chat:
+      return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
+    if self.token_ids:
+      choice["token_ids"] = []
+    return choice
+
+
+def completion_response(model: str, jobs: Sequence[Job], completions: Sequence[Completion], *,
+                        chat: bool, token_ids: bool) -> dict[str, Any]:
+  """The JSON body of a finished (not streamed) request; `logprobs` is null in each choice."""
+  choices = []
+  for index, (job, completion) in enumerate(zip(jobs, completions, strict=True)):
+    text = completion.text or ""
+    if chat:
+      choice = {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": completion.finish_reason}
+    else:
+      choice = {"index": index, "text": text, "logprobs": None,
+                "finish_reason": completion.finish_reason}
+    if token_ids:
+      choice["prompt_token_ids"] = list(job.ids)
+      choice["token_ids"] = list(completion.tokens)
+    choices.append(choice)
+  return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+          "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+          "model": model, "choices": choices, "usage": _usage(jobs, completions)}
+
+
+# --------------------------------------------------------------------------------------------------
+# The app
+
+
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                       "/metrics"})
+
+
+def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate | None = None,
+               warmup: bool = True, close_engine: bool = True,
+               request_timeout: float | None = None) -> fastapi.FastAPI:
+  """The FastAPI app serving `engine` as `model_name`.
+
+  Args:
+    chat_template: the template of /v1/chat/completions (`load_chat_template`), or None.
+    warmup: compile the serving executables at start-up (`engine.warmup`).
+    close_engine: close the engine when the app shuts down.
+    request_timeout: seconds each request may take (None: no limit); past it, a 504.
+  """
+  if request_timeout is not None and not (_is_number(request_timeout) and request_timeout > 0):
+    raise ValueError(f"request_timeout must be None or a number of seconds > 0, got "
+                     f"{request_timeout!r}")
+  service = Service(engine, model_name, chat_template, request_timeout)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    if warmup:
+      await asyncio.to_thread(engine.warmup, progress=False)
+    yield
+    service.closing = True
+    if close_engine:
+      await asyncio.to_thread(engine.close)
+
+  app = fastapi.FastAPI(title="cg_jax", lifespan=lifespan, docs_url=None, redoc_url=None,
+                        openapi_url=None)
+  app.state.service = service
+  app.add_middleware(_CountRequests, metrics=service.metrics, endpoints=ENDPOINTS)
+
+  @app.exception_handler(ApiError)
+  async def api_error(request, error: ApiError):
+    return error.response()
+
+  @app.exception_handler(RequestValidationError)
+  async def invalid(request, error: RequestValidationError):
+    return _validation_error(error).response()
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(request, error: StarletteHTTPException):
+    kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+    return ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}",
+                    type=kind).response()
+
+  @app.exception_handler(Exception)
+  async def failed(request, error: Exception):
+    return engine_error(error).response()
+
+  async def run(request: fastapi.Request, body: _Sampling, jobs: list[Job], chat: bool):
+    handles = service.submit(jobs)
+    if body.stream:
+      include_usage = bool(body.stream_options and body.stream_options.include_usage)
+      events = service.events(jobs, handles, chat=chat, include_usage=include_usage,
+                              token_ids=body.return_token_ids)
+      return _EventStream(events, handles)
+    try:
+      completions = await service.complete(request, handles)
+    except _ClientGone:
+      return Response(status_code=499)
+    return JSONResponse(completion_response(model_name, jobs, completions, chat=chat,
+                                            token_ids=body.return_token_ids))
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, request: fastapi.Request):
+    return await run(request, body, service.completion_jobs(body), chat=False)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
+    return await run(request, body, service.chat_jobs(body), chat=True)
+
+  def model_card() -> dict[str, Any]:
+    return {"id": model_name, "object": "model", "created": service.created, "owned_by": "cg_jax",
+            "max_model_len": engine.config.max_seq_len}
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [model_card()]}
+
+  @app.get("/v1/models/{name:path}")
+  async def model(name: str):
+    service._check_model(name)
+    return model_card()
+
+  @app.get("/health")
+  async def health():
+    if service.closing:
+      return JSONResponse({"status": "shutting down"}, status_code=503)
+    return {"status": "ok"}
+
+  @app.get("/metrics")
+  async def metrics():
+    return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+  return app
+
+
+def load_chat_template(model: str | os.PathLike) -> ChatTemplate | None:
+  """The chat template of a checkpoint directory or bundled/cached model (None for presets and
+  checkpoints without one)."""
+  name = os.fspath(model)
+  if name in PRESETS and not os.path.isdir(name):
+    return None
+  return ChatTemplate.from_directory(resolve_model(name))
+
+
+class _Stopped(Exception):
+  """SIGTERM, raised once uvicorn has shut down."""
+
+
+def _stopped(signum, frame):
+  raise _Stopped(signum)
+
+
+def serve(app: fastapi.FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
+          graceful_timeout: float = 30.0, log_level: str = "info") -> None:
+  """Run `app` with uvicorn until SIGINT / SIGTERM: in-flight requests get `graceful_timeout`
+  seconds to finish, the rest are cancelled, then the app shuts down (closing the engine) and
+  this returns. uvicorn handles signals in the main thread only; from another thread, stop it
+  through `uvicorn.Server.should_exit` instead (see tests/test_server.py)."""
+  config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_level=log_level,
+                          timeout_graceful_shutdown=graceful_timeout)
+  main = threading.current_thread() is threading.main_thread()
+  # uvicorn re-raises the signal it stopped on once it is done: end here instead.
+  previous = signal.signal(signal.SIGTERM, _stopped) if main else None
+  try:
+    uvicorn.Server(config).run()
+  except (_Stopped, KeyboardInterrupt):
+    pass
+  finally:
+    if main:
+      signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,560 @@
+"""The OpenAI-compatible server (cg_jax.server) on the CPU with the bundled model: one live uvicorn
+server on 127.0.0.1 driven by the official `openai` client. Completions and chat equal the
+in-process `engine.generate` (text and token ids, streamed or not); 32 concurrent streams; a
+client that disconnects frees its slot; each bad request gets its status and message in OpenAI's
+format; /metrics, /health, /v1/models; chat templates rendered as transformers renders them;
+SIGTERM drains and exits; no thread is left behind."""
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from cg_jax import Engine, server
+from cg_jax.chat_template import ChatTemplate
+from cg_jax.hub import BUNDLED_DIR, DEFAULT_MODEL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "kjv-test"
+OPTIONS = dict(max_seq_len=256, batch_buckets=(1, 2, 4, 8), prompt_buckets=(32,))
+TIMEOUT = 60  # seconds, for every client call
+# trim_blocks / lstrip_blocks decide its whitespace; rendered by hand in `test_chat_*`.
+TEMPLATE = """{{ bos_token }}
+{%- for message in messages %}
+  {% if message['role'] not in ['system', 'user', 'assistant'] %}
+    {{ raise_exception('unknown role: ' + message['role']) }}
+  {% endif %}
+{{ message['role'] | capitalize }}: {{ message['content'] | trim }}
+{% endfor %}
+{% if add_generation_prompt %}
+Assistant:
+{%- endif %}"""
+MESSAGES = [{"role": "system", "content": "Thou art a scribe."},
+            {"role": "user", "content": "  Who made the heavens? "}]
+RENDERED = "<|endoftext|>System: Thou art a scribe.\nUser: Who made the heavens?\nAssistant:"
+PROMPTS = ["In the beginning", "And God said", "The LORD is my shepherd"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """The bundled model's files, linked, with a tokenizer_config.json holding TEMPLATE."""
+  path = tmp_path_factory.mktemp("kjv-chat")
+  source = os.path.join(BUNDLED_DIR, DEFAULT_MODEL)
+  for name in os.listdir(source):
+    if name != "tokenizer_config.json":
+      os.symlink(os.path.join(source, name), path / name)
+  with open(os.path.join(source, "tokenizer_config.json")) as f:
+    config = json.load(f)
+  with open(path / "tokenizer_config.json", "w") as f:
+    json.dump(dict(config, chat_template=TEMPLATE), f)
+  return path
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+  engine = Engine.from_pretrained(checkpoint, **OPTIONS)
+  engine.warmup(progress=False)
+  return engine
+
+
+def _start(app):
+  """uvicorn serving `app` on 127.0.0.1 in a thread; returns (server, thread, port)."""
+  config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+  live = uvicorn.Server(config)
+  thread = threading.Thread(target=live.run, name="test-uvicorn", daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 120
+  while not live.started:
+    assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+    time.sleep(0.02)
+  return live, thread, live.servers[0].sockets[0].getsockname()[1]
+
+
+def _stop(live, thread):
+  live.should_exit = True
+  thread.join(timeout=60)
+  assert not thread.is_alive(), "the server thread did not stop"
+
+
+@contextlib.contextmanager
+def _serving(app):
+  live, thread, port = _start(app)
+  try:
+    yield port
+  finally:
+    _stop(live, thread)
+
+
+def _engine_threads():
+  return [t for t in threading.enumerate() if t.name == "cg_jax-engine"]
+
+
+@pytest.fixture(scope="module")
+def port(engine, checkpoint):
+  """The module's server (its app closes the engine at shutdown); teardown checks the shutdown:
+  server thread joined, engine thread gone, no thread left behind."""
+  before = set(threading.enumerate())
+  app = server.create_app(engine, MODEL, chat_template=server.load_chat_template(checkpoint))
+  live, thread, port = _start(app)
+  yield port
+  _stop(live, thread)
+  assert not set(_engine_threads()) - before
+  with pytest.raises(Exception, match="closed"):
+    engine.submit([1, 2], 2)
+  deadline = time.monotonic() + 10
+  while set(threading.enumerate()) - before and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not set(threading.enumerate()) - before
+
+
+@pytest.fixture(scope="module")
+def client(port):
+  client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                         timeout=TIMEOUT)
+  yield client
+  client.close()
+
+
+def _get(port, path):
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+  try:
+    conn.request("GET", path)
+    response = conn.getresponse()
+    return response.status, response.read()
+  finally:
+    conn.close()
+
+
+def _post(port, path, body: bytes | dict):
+  """(status, body bytes) of a POST with a JSON body (or raw bytes)."""
+  data = body if isinstance(body, bytes) else json.dumps(body).encode()
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+  try:
+    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, response.read()
+  finally:
+    conn.close()
+
+
+def _raw_post(port, path, body: dict) -> socket.socket:
+  data = json.dumps(body).encode()
+  sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+  sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+  return sock
+
+
+def _read_until(sock, marker: bytes) -> bytes:
+  data = b""
+  while marker not in data:
+    more = sock.recv(65536)
+    assert more, f"the connection closed before {marker!r}: {data!r}"
+    data += more
+  return data
+
+
+def _read_all(sock) -> bytes:
+  data = b""
+  while more := sock.recv(65536):
+    data += more
+  return data
+
+
+def _events(raw: bytes) -> list:
+  """The server-sent events' data in a raw (chunked) HTTP response."""
+  return [e if e == b"[DONE]" else json.loads(e) for e in re.findall(rb"data: (.*?)\n\n", raw)]
+
+
+def _metrics(port) -> dict:
+  status, body = _get(port, "/metrics")
+  assert status == 200
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value
+          for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def _wait_idle(engine, timeout=30):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    stats = engine.stats()
+    if stats["running"] == 0 and stats["waiting"] == 0:
+      return stats
+    time.sleep(0.01)
+  raise AssertionError(f"the engine is still busy: {engine.stats()}")
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def test_models_and_health(client, port):
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  card = client.models.retrieve(MODEL)
+  assert card.id == MODEL and card.model_extra["max_model_len"] == OPTIONS["max_seq_len"]
+  with pytest.raises(openai.NotFoundError) as error:
+    client.models.retrieve("gpt-4")
+  assert error.value.code == "model_not_found"
+  assert _get(port, "/health") == (200, b'{"status":"ok"}')
+
+
+def test_completions_equal_engine_generate(client, engine):
+  """Greedy completions (text prompt, token-id prompt, several prompts) give the tokens and
+  text of `engine.generate` with the same prompt and budget."""
+  tokenizer = engine.tokenizer
+  for prompt in PROMPTS:
+    expected = engine.generate([prompt], max_new_tokens=24)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    (choice,) = reply.choices
+    assert choice.text == expected.texts[0] and choice.token_ids == expected[0]
+    assert choice.finish_reason == ("stop" if expected[0][-1] == 0 else "length")
+    ids = tokenizer.encode(prompt).ids
+    assert choice.prompt_token_ids == ids and choice.logprobs is None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens,
+            reply.usage.total_tokens) == (len(ids), len(expected[0]), len(ids) + len(expected[0]))
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == expected.texts[0]
+  several = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=10, temperature=0)
+  expected = engine.generate(PROMPTS, max_new_tokens=10)
+  assert [c.index for c in several.choices] == [0, 1, 2]
+  assert [c.text for c in several.choices] == expected.texts
+  default = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0)
+  assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens
+
+
+def test_sampling_and_stop_strings_equal_engine_generate(client, engine):
+  sampled = engine.generate([PROMPTS[1]], max_new_tokens=20, do_sample=True, temperature=0.8,
+                            top_k=40, top_p=0.9, seed=7)
+  reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20,
+                                    temperature=0.8, top_p=0.9, seed=7,
+                                    extra_body={"top_k": 40, "return_token_ids": True})
+  assert reply.choices[0].token_ids == sampled[0]
+  assert reply.choices[0].text == sampled.texts[0]
+  stopped = engine.generate([PROMPTS[0]], max_new_tokens=40, stop=[":", "\n"])
+  reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                    stop=[":", "\n"])
+  assert reply.choices[0].text == stopped.texts[0] and "\n" not in reply.choices[0].text
+  assert reply.choices[0].finish_reason == "stop"
+  long = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=0,
+                                   extra_body={"ignore_eos": True})
+  assert long.usage.completion_tokens == 60 and long.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_equals_engine_generate(client, engine, port):
+  expected = engine.generate([PROMPTS[2]], max_new_tokens=30)
+  chunks = list(client.completions.create(
+      model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stream=True,
+      stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
+  assert len({c.id for c in chunks}) == 1 and all(c.object == "text_completion" for c in chunks)
+  *choices, last = chunks
+  assert last.choices == [] and last.usage.completion_tokens == len(expected[0])
+  assert all(c.usage is None for c in choices)
+  assert "".join(c.choices[0].text for c in choices) == expected.texts[0]
+  assert [t for c in choices for t in c.choices[0].token_ids] == expected[0]
+  assert [c.choices[0].finish_reason for c in choices][-1] in ("stop", "length")
+  assert all(c.choices[0].finish_reason is None for c in choices[:-1])
+  # Several prompts: one choice each, interleaved.
+  chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8,
+                                          temperature=0, stream=True))
+  texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+           for i in range(3)]
+  assert texts == engine.generate(PROMPTS, max_new_tokens=8).texts
+  # The wire format: `data: {json}\n\n` events, the last `data: [DONE]\n\n`.
+  sock = _raw_post(port, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0],
+                                             "max_tokens": 5, "temperature": 0, "stream": True})
+  with sock:
+    raw = _read_all(sock)
+  head, _, body = raw.partition(b"\r\n\r\n")
+  assert b"200 OK" in head and b"text/event-stream" in head
+  events = _events(body)
+  assert events[-1] == b"[DONE]" and body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+  assert "".join(e["choices"][0]["text"] for e in events[:-1]) == \
+      engine.generate([PROMPTS[0]], max_new_tokens=5).texts[0]
+
+
+def test_chat_renders_the_template_and_equals_engine_generate(client, engine, checkpoint):
+  template = server.load_chat_template(checkpoint)
+  assert template.render(MESSAGES) == RENDERED
+  ids = engine.tokenizer.encode(RENDERED, add_special_tokens=False).ids
+  assert ids[0] == 0  # the bos_token text is the special token
+  expected = engine.generate([ids], max_new_tokens=20)
+  reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                         temperature=0)
+  assert reply.object == "chat.completion"
+  assert reply.choices[0].message.role == "assistant"
+  assert reply.choices[0].message.content == expected.texts[0]
+  assert reply.usage.prompt_tokens == len(ids)
+  assert reply.usage.completion_tokens == len(expected[0])
+  parts = [{"role": "system", "content": [{"type": "text", "text": "Thou art "},
+                                          {"type": "text", "text": "a scribe."}]}, MESSAGES[1]]
+  by_parts = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=20,
+                                            temperature=0)
+  assert by_parts.choices[0].message.content == expected.texts[0]
+  chunks = list(client.chat.completions.create(
+      model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0, stream=True,
+      stream_options={"include_usage": True}))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert all(c.object == "chat.completion.chunk" for c in chunks)
+  assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == expected.texts[0]
+  assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+  assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(ids)
+  # The default budget is the rest of the context.
+  whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                         extra_body={"ignore_eos": True})
+  assert whole.usage.total_tokens == OPTIONS["max_seq_len"]
+
+
+def test_chat_template_errors(client, engine):
+  with pytest.raises(openai.BadRequestError) as error:
+    client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
+  assert error.value.param == "messages" and "unknown role: tool" in error.value.message
+  with pytest.raises(openai.BadRequestError) as error:
+    client.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+  assert error.value.param == "messages[0].content[0]"
+  # A model without a template: a 400 saying so.
+  app = server.create_app(engine, "plain", warmup=False, close_engine=False)
+  with _serving(app) as port:
+    plain = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                          timeout=TIMEOUT)
+    with plain:
+      with pytest.raises(openai.BadRequestError) as error:
+        plain.chat.completions.create(model="plain", messages=MESSAGES)
+      assert "has no chat template" in error.value.message
+      assert plain.completions.create(model="plain", prompt="In", max_tokens=2).choices
+  assert _engine_threads()  # close_engine=False left it running
+
+
+COMPLEX_TEMPLATE = """{%- set ns = namespace(count=0) -%}
+{%- for m in messages -%}
+  {%- if m.role == 'system' -%}{%- continue -%}{%- endif -%}
+  {%- set ns.count = ns.count + 1 -%}
+  [{{ ns.count }}{{ '/last' if loop.last }}] {{ m.role }} {{ m | tojson }}
+  {% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{{ eos_token }}
+  {% endif %}
+{% endfor -%}
+{{ messages | length }}{{ bos_token }}{% if add_generation_prompt %}>{% endif %}"""
+
+
+@pytest.mark.torch
+def test_chat_templates_render_as_transformers(checkpoint, engine):
+  """Our rendering and token ids equal transformers' apply_chat_template (the test template and
+  one with namespaces, loop controls, tojson of non-ASCII text and a generation tag)."""
+  transformers = pytest.importorskip("transformers")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+  messages = MESSAGES + [{"role": "assistant", "content": "God, é \"quoted\""},
+                         {"role": "user", "content": "And the earth?"}]
+  ours = server.load_chat_template(checkpoint)
+  for chat in (MESSAGES, messages):
+    theirs = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours.render(chat) == theirs
+    their_ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    if not isinstance(their_ids, list):
+      their_ids = their_ids["input_ids"]
+    assert engine.tokenizer.encode(ours.render(chat), add_special_tokens=False).ids == their_ids
+  complex_ = ChatTemplate(COMPLEX_TEMPLATE, ours.special_tokens)
+  for generation_prompt in (True, False):
+    theirs = tokenizer.apply_chat_template(messages, chat_template=COMPLEX_TEMPLATE,
+                                           tokenize=False,
+                                           add_generation_prompt=generation_prompt)
+    assert complex_.render(messages, add_generation_prompt=generation_prompt) == theirs
+  assert '"God, é \\"quoted\\""' in complex_.render(messages)
+
+
+def test_bad_requests_get_their_status_and_message(client, port):
+  ok = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+  cases = [
+      (dict(temperature=3), 400, "temperature", "allowed 0 to 2"),
+      (dict(temperature=-0.5), 400, "temperature", "allowed 0 to 2"),
+      (dict(top_p=0), 400, "top_p", "up to 1"),
+      (dict(max_tokens=400), 400, "max_tokens", "allowed max_tokens 1 to 253"),
+      (dict(max_tokens=0), 400, "max_tokens", "allowed max_tokens 1 to 253"),
+      (dict(prompt=list(range(1, 300))), 400, "prompt", "a prompt may have 1 to 255"),
+      (dict(prompt=[5, 4096]), 400, "prompt", "allowed 0 to 4095"),
+      (dict(prompt=""), 400, "prompt", "empty"),
+      (dict(n=2), 400, "n", "allowed n=1"),
+      (dict(model="gpt-4"), 404, "model", "does not exist"),
+      (dict(max_tokens="many"), 400, "max_tokens", "valid integer"),
+      (dict(temperature=True), 400, "temperature", "valid number"),
+      (dict(prompt=3.5), 400, "prompt", "prompt must be a string"),
+      (dict(stop=[""]), 400, "stop", "non-empty"),
+      (dict(seed=-1), 400, "seed", "allowed 0 to 4294967295"),
+      (dict(logprobs=1), 400, "logprobs", "not supported yet"),
+      (dict(echo=True), 400, "echo", "not supported yet"),
+      (dict(stream_options={"include_usage": True}), 400, "stream_options", "stream=true"),
+      (dict(extra_body={"frobnicate": 1}), 400, "frobnicate", "unrecognized"),
+  ]
+  for change, status, param, words in cases:
+    with pytest.raises(openai.APIStatusError) as error:
+      client.completions.create(**{**ok, **change})
+    assert (error.value.status_code, error.value.param) == (status, param), change
+    assert words in error.value.message, (change, error.value.message)
+    assert error.value.type == "invalid_request_error"
+  with pytest.raises(openai.BadRequestError) as error:
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
+  assert "not supported yet" in error.value.message
+  with pytest.raises(openai.BadRequestError) as error:
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=500)
+  assert error.value.param == "max_tokens" and "context holds 256" in error.value.message
+  # Raw requests: a missing field, bad JSON, no body, an unknown path; never a 422.
+  for path, body, param, words in (
+      ("/v1/completions", dict(model=MODEL), "prompt", "missing required parameter"),
+      ("/v1/completions", b'{"model": ', None, "not valid JSON"),
+      ("/v1/completions", b"", None, "JSON"),
+      ("/v1/completions", b"[1, 2]", None, "must be a JSON object"),
+      ("/v1/chat/completions", dict(model=MODEL, messages=[]), "messages", "at least 1")):
+    status, raw = _post(port, path, body)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == param and words in error["message"], raw
+    assert set(error) == {"message", "type", "param", "code"}
+  status, raw = _post(port, "/v1/nothing", {})
+  assert status == 404 and "error" in json.loads(raw)
+
+
+def test_32_concurrent_streams(engine, port):
+  subjects = ["God", "the LORD", "Moses", "David", "the people", "Jesus", "the king", "Israel"]
+  verbs = ["said", "went", "called", "saw"]
+  prompts = [f"And {s} {v}" for s in subjects for v in verbs]
+  expected = engine.generate(prompts, max_new_tokens=12)
+
+  async def run():
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                  max_retries=0, timeout=TIMEOUT) as client:
+
+      async def one(prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"return_token_ids": True})
+        text, ids = "", []
+        async for chunk in stream:
+          for choice in chunk.choices:
+            text, ids = text + choice.text, ids + choice.token_ids
+        return text, ids
+
+      return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), TIMEOUT)
+
+  results = asyncio.run(run())
+  assert [r[0] for r in results] == expected.texts
+  assert [r[1] for r in results] == list(expected)
+  _wait_idle(engine)
+
+
+def test_a_client_that_disconnects_frees_its_slot(client, engine, port):
+  """A client gone mid-stream, or while waiting for a whole completion, cancels its request:
+  the slot frees long before its 240 tokens, and the server keeps serving."""
+  before = _metrics(port)[("cg_jax_requests_cancelled_total", ())]
+  for stream in (True, False):
+    generated = _wait_idle(engine)["generated_tokens"]
+    sock = _raw_post(port, "/v1/completions", {
+        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0,
+        "ignore_eos": True, "stream": stream})
+    if stream:
+      _read_until(sock, b"data: ")
+    else:
+      deadline = time.monotonic() + TIMEOUT
+      while engine.stats()["running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    stats = _wait_idle(engine)
+    assert stats["generated_tokens"] - generated < 240, stream
+  assert _metrics(port)[("cg_jax_requests_cancelled_total", ())] == before + 2
+  assert _get(port, "/health")[0] == 200
+  assert client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3).choices
+
+
+def test_metrics_count_requests_and_tokens(client, engine, port):
+  before = _metrics(port)
+  reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+  with pytest.raises(openai.BadRequestError):
+    client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=9)
+  after = _metrics(port)
+
+  def delta(name, **labels):
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0) - before.get(key, 0)
+
+  assert delta("cg_jax_http_requests_total", endpoint="/v1/completions", status="200") == 1
+  assert delta("cg_jax_http_requests_total", endpoint="/v1/completions", status="400") == 1
+  assert delta("cg_jax_prompt_tokens_total") == reply.usage.prompt_tokens
+  assert delta("cg_jax_generation_tokens_total") == 7
+  assert delta("cg_jax_time_to_first_token_seconds_count") == 1
+  assert delta("cg_jax_time_per_output_token_seconds_count") == 1
+  assert after[("cg_jax_requests_running", ())] == 0
+  assert after[("cg_jax_requests_waiting", ())] == 0
+  assert after[("cg_jax_slot_occupancy", ())] == 0
+  assert after[("cg_jax_compiles_since_warmup", ())] == 0  # nothing compiled on the request path
+  if "prefix_cache_hits" in engine.stats():
+    assert ("cg_jax_prefix_cache_hits", ()) in after
+
+
+def test_sigterm_drains_and_exits():
+  """`python -m cg_jax serve`: a stream in flight at SIGTERM completes, then the process exits 0
+  (engine closed by the app's shutdown)."""
+  command = [sys.executable, "-m", "cg_jax", "serve", "--model", "tiny-llama", "--max-seq-len",
+             "64", "--batch-buckets", "1", "--prompt-buckets", "16", "--port", "0",
+             "--graceful-timeout", "30"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", CG_JAX_COMPILATION_CACHE="off")
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  lines, ports = [], queue.Queue()
+
+  def read():
+    for line in process.stdout:
+      lines.append(line)
+      if found := re.search(r"running on http://127\.0\.0\.1:(\d+)", line):
+        ports.put(int(found[1]))
+
+  reader = threading.Thread(target=read)
+  reader.start()
+  try:
+    port = ports.get(timeout=180)
+    status, metrics = _get(port, "/metrics")  # warmed up at start-up: the gauge exists, at 0
+    assert status == 200 and b"\ncg_jax_compiles_since_warmup 0.0\n" in metrics
+    sock = _raw_post(port, "/v1/completions", {
+        "model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0,
+        "ignore_eos": True, "stream": True, "return_token_ids": True})
+    with sock:
+      first = _read_until(sock, b"data: ")
+      process.send_signal(signal.SIGTERM)
+      events = _events((first + _read_all(sock)).partition(b"\r\n\r\n")[2])
+    assert events[-1] == b"[DONE]"
+    assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1]) == 60
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert process.wait(timeout=60) == 0, "".join(lines)
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait()
+    reader.join(timeout=30)
+  assert "Traceback" not in "".join(lines), "".join(lines)
+  with pytest.raises(OSError):
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_the_runtime_and_cli_work_without_the_serve_extra():
+  """Without fastapi: `import cg_jax` and the CLI import; `serve` says what to install."""
+  code = ("import sys; sys.modules['fastapi'] = None\n"
+          "from cg_jax import Engine, cli\n"
+          "assert cli.server is None\n"
+          "sys.exit(cli.main(['serve']))")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert out.returncode == 2, out.stderr
+  assert "pip install 'cg_jax[serve]'" in out.stderr
