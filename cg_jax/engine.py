@@ -21,13 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cg_jax import attention, compile_stats, text, validation
+from cg_jax import attention, compile_stats, host_io, text, validation
 from cg_jax.config import OPTION_NAMES, EngineConfig, on_gpu
 from cg_jax.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.generation import (GenerationResult, Generator, RowText, StreamChunk,
                                final_text)
 from cg_jax.hub import resolve_model
 from cg_jax.kv_cache import CacheHolder
+from cg_jax.sampling import TOP_LOGPROBS, unpack_scores
 from cg_jax.scheduler import Handle, Scheduler
 from cg_jax.sharding import TensorParallel
 from cg_jax.steps import StepFunctions
@@ -188,7 +189,8 @@ class Engine:
       gib = 2**30
       raise ValueError(
           f"the KV cache for max batch {engine.buckets.max_batch} x max_seq_len "
-          f"{engine.max_seq_len} (and a prefix cache of {engine.prefix_cache_tokens} tokens) needs {kv} bytes ({kv / gib:.2f} GiB) and the weights "
+          f"{engine.max_seq_len} (and a prefix cache of {engine.prefix_cache_tokens} tokens) "
+          f"needs {kv} bytes ({kv / gib:.2f} GiB) and the weights "
           f"{weights} bytes ({weights / gib:.2f} GiB), more than the {limit} bytes "
           f"({limit / gib:.2f} GiB) of device memory; lower max_seq_len, batch_buckets or "
           f"prefix_cache_tokens")
@@ -281,7 +283,7 @@ class Engine:
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                stop: str | Sequence[str] | None = None, device_loop: bool = False,
-               **unknown) -> validation.Request:
+               logprobs: int | None = None, **unknown) -> validation.Request:
     """Validate a request on the host without running it (nothing touches the device); raises
     the ValueError / TypeError that `generate` would."""
     validation.reject_unknown("generate()", unknown)
@@ -297,7 +299,11 @@ class Engine:
         eos_token_id=eos_token_id, default_eos=self.model_config.eos_token_id,
         vocab_size=self.model_config.vocab_size)
     stops = validation.stop_strings(stop, self.tokenizer is not None)
-    return validation.Request(rows, max_new_tokens, settings, bool(device_loop), stops)
+    top = validation.logprobs(logprobs, min(TOP_LOGPROBS, self.model_config.vocab_size))
+    if top is not None and device_loop:
+      raise ValueError("logprobs needs device_loop=False (the device loop returns no scores)")
+    return validation.Request(rows, max_new_tokens, settings, bool(device_loop), stops,
+                              logprobs=top)
 
   def generate(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -376,13 +382,18 @@ class Engine:
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
              stop: str | Sequence[str] | None = None, timeout: float | None = None,
-             **unknown) -> Handle:
+             logprobs: int | None = None, **unknown) -> Handle:
     """Queue one request from any thread; returns its `Handle` at once.
 
     Args:
       prompt: a string (with a tokenizer) or a list of token ids.
       timeout: seconds the request may take from now (None: no limit); past it the handle's
         `result()` raises `cg_jax.scheduler.RequestTimeout`.
+      logprobs: None, or each new token's log-probability under the model (before temperature
+        and filtering) with its `logprobs` most likely alternatives (at most
+        `cg_jax.sampling.TOP_LOGPROBS`), in the `Delta`s and the `Completion`. Their
+        executables compile at warm-up with `phases=(*SERVING_PHASES, "logprobs")`, else on
+        first use.
       The rest: as `generate`.
     Raises:
       ValueError / TypeError for a bad request (nothing is queued);
@@ -398,8 +409,30 @@ class Engine:
                       f"{type(prompt).__name__}")
     request = self.validate([prompt], max_new_tokens, do_sample=do_sample,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            eos_token_id=eos_token_id, stop=stop, **unknown)
-    return Handle(self._scheduler.submit(request, timeout), self.tokenizer, request.stop)
+                            eos_token_id=eos_token_id, stop=stop, logprobs=logprobs, **unknown)
+    return Handle(self._scheduler.submit(request, timeout), self.tokenizer, request.stop,
+                  request.logprobs)
+
+  def score(self, prompt, top: int = 0) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """The log-probability of each prompt token after the first given the tokens before it,
+    with its `top` most likely alternatives: [(logprob, ((token, logprob), ...)), ...], one
+    per token from the second (what `echo` with `logprobs` reports). The prompt must fit the
+    largest prompt bucket; the ("score", bucket) executables compile at warm-up with
+    `phases=(*SERVING_PHASES, "logprobs")`, else on first use."""
+    rows = validation.prompts(self._encode([prompt] if isinstance(prompt, str) else [prompt]),
+                              self.model_config.vocab_size)
+    top = validation.logprobs(top, min(TOP_LOGPROBS, self.model_config.vocab_size))
+    row = rows[0]
+    lengths = self.config.buckets.prompt_lengths
+    if len(row) > lengths[-1]:
+      raise ValueError(f"a scored prompt may have at most {lengths[-1]} tokens (the largest "
+                       f"prompt bucket), got {len(row)}")
+    size = next(n for n in lengths if n >= len(row))
+    tokens = np.zeros((1, size), np.int32)
+    tokens[0, :len(row)] = row
+    scores = np.asarray(self.executables.get(("score", size))(
+        self._split.weights, host_io.stage(tokens, self.input_placement)))
+    return [unpack_scores(scores[i], top) for i in range(len(row) - 1)]
 
   def _call_stats(self, request: validation.Request, group, start: float) -> dict[str, Any]:
     end = group.finished_at or time.perf_counter()

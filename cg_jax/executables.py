@@ -10,13 +10,18 @@ Keys (plain tuples, as `keys()` lists them):
   ("move",)                       copy one cache row to another (slot compaction)
   ("pool",)                       allocate the zeroed prefix-cache block pool
   ("load",) / ("save",)           copy prefix blocks from the pool into a slot / from a slot
+  ("logprobs", batch)             a decode step that also scores its tokens (log-probabilities)
+  ("token_logprobs", batch)       the scores of the tokens a prompt executable chose
+  ("score", length)               the log-probability of each token of a prompt (`echo`)
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
   ("first", batch, greedy)        the first token from prefill's logits (the static path)
   ("loop", batch, greedy)         `decode_loop_steps` decode steps in one call (the device loop)
 
 `greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
 uses the serving phases (`SERVING_PHASES`: prompts, chunk, decode, move and, with the prefix
-cache on, "prefix": pool, load, save); `generate(..., device_loop=True)` the static ones.
+cache on, "prefix": pool, load, save) and, for requests with log-probabilities, "logprobs"
+(logprobs, token_logprobs, score: compiled on first use unless warmed up);
+`generate(..., device_loop=True)` the static ones.
 Every executable takes and returns the same placements, and the decode state (cache, tokens,
 positions) is donated, so each output reuses its input's buffer from step to step.
 """
@@ -41,7 +46,7 @@ from cg_jax.steps import LoopState, StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("prompts", "chunk", "decode", "move", "prefix", "prefill", "first", "loop")
+PHASES = ("prompts", "chunk", "decode", "move", "prefix", "logprobs", "prefill", "first", "loop")
 SERVING_PHASES = ("prompts", "chunk", "decode", "move", "prefix")
 # The most prompts prefilled together by the scheduler.
 PROMPT_BATCH = 16
@@ -87,6 +92,10 @@ class ExecutableTable:
                if batch in batch_sizes for length in prompt_lengths]
     if "move" in phases:
       keys.append(("move",))
+    if "logprobs" in phases:
+      keys += [("logprobs", batch) for batch in batch_sizes]
+      keys += [("token_logprobs", batch) for batch in self.prompt_batches() if batch in batch_sizes]
+      keys += [("score", length) for length in prompt_lengths]
     if "prefix" in phases and self.config.prefix_blocks:
       keys += [("pool",), ("load",), ("save",)]
     for batch in batch_sizes:
@@ -148,12 +157,23 @@ class ExecutableTable:
       _, batch, length = key
       return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), scalar,
                               SamplingArrays.spec(batch)), (1,), state + (rep,) * 4,
-              (rep, "cache"))
+              (rep, rep, "cache"))
     if phase == "chunk":
       _, batch, length = key
       return (steps.chunk, (weights, cache, i32(batch, length), i32(batch), i32(batch),
                             i32(batch), SamplingArrays.spec(batch)), (1,), state + (rep,) * 5,
-              (rep, "cache"))
+              (rep, rep, "cache"))
+    if phase == "score":
+      return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
+    if phase == "logprobs":
+      batch = key[1]
+      return (steps.decode_scored, (weights, cache, i32(batch), i32(batch),
+                                    SamplingArrays.spec(batch)), (1, 2, 3),
+              state + (rep, rep, rep), (rep, rep, rep, rep, "cache"))
+    if phase == "token_logprobs":
+      batch = key[1]
+      logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
+      return steps.token_logprobs, (logits, i32(batch)), (), (rep, rep), rep
     _, batch, extra = key
     if phase == "prefill":
       return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch)), (1,),

@@ -52,7 +52,8 @@ def to_device(tree: Any, where) -> Any:
 
 
 class AsyncReader:
-  """FIFO of device arrays whose device-to-host copies start on `push` and finish on `pop`."""
+  """FIFO of device arrays (or pytrees of them) whose device-to-host copies start on `push` and
+  finish on `pop`."""
 
   def __init__(self):
     self._pending: collections.deque = collections.deque()
@@ -60,11 +61,12 @@ class AsyncReader:
   def __len__(self) -> int:
     return len(self._pending)
 
-  def push(self, array: jax.Array, tag: Any = None) -> None:
-    array.copy_to_host_async()
-    self._pending.append((array, tag))
+  def push(self, arrays: Any, tag: Any = None) -> None:
+    for array in jax.tree.leaves(arrays):
+      array.copy_to_host_async()
+    self._pending.append((arrays, tag))
 
-  def pop(self) -> tuple[np.ndarray, Any]:
-    """The oldest array as NumPy (waits only if its copy has not landed yet), and its tag."""
-    array, tag = self._pending.popleft()
-    return np.asarray(array), tag
+  def pop(self) -> tuple[Any, Any]:
+    """The oldest arrays as NumPy (waits only if their copy has not landed yet), and the tag."""
+    arrays, tag = self._pending.popleft()
+    return jax.tree.map(np.asarray, arrays), tag

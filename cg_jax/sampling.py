@@ -72,6 +72,29 @@ def filter_logits(logits, temperature, top_k, top_p):
   return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+# The most alternatives a request may ask log-probabilities for.
+TOP_LOGPROBS = 20
+
+
+def token_scores(logits, tokens):
+  """float32 [B, 1 + 2 * K] from logits [B, V] and the chosen tokens [B] (K = min(TOP_LOGPROBS,
+  V)): the chosen token's log-probability under the model's distribution (before temperature
+  and filtering), then the K most likely tokens' ids (as float32: exact below 2**24) and their
+  log-probabilities, most likely first."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)
+  top, ids = jax.lax.top_k(logp, min(TOP_LOGPROBS, logits.shape[-1]))
+  return jnp.concatenate([chosen, ids.astype(jnp.float32), top], axis=-1)
+
+
+def unpack_scores(row: np.ndarray, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+  """One row of `token_scores`: (the chosen token's log-probability, its `top` most likely
+  (token, log-probability) pairs)."""
+  k = (len(row) - 1) // 2
+  pairs = tuple((int(row[1 + i]), float(row[1 + k + i])) for i in range(min(top, k)))
+  return float(row[0]), pairs
+
+
 def select_tokens(logits, positions, sampling: SamplingArrays | None):
   """Next tokens [B] int32 from float32 logits [B, V].
 

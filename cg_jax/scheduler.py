@@ -40,7 +40,7 @@ from cg_jax.executables import PROMPT_BATCH, ExecutableTable
 from cg_jax.generation import RowText, final_text
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.prefix_cache import PrefixIndex
-from cg_jax.sampling import SamplingArrays
+from cg_jax.sampling import SamplingArrays, unpack_scores
 
 
 # Padded prompt tokens one "prompts" call may take (its batch x chunk size), in units of the
@@ -71,6 +71,7 @@ class _Live:
   settings: validation.SamplingSettings
   text: RowText | None  # followed only to find stop strings
   deadline: float | None
+  logprobs: int | None = None  # alternatives per token with their log-probabilities, or None
   slot: int | None = None
   prefilled: int = 0  # prompt tokens in the cache
   looked_up: bool = False  # the prefix cache was asked
@@ -95,6 +96,8 @@ class Group:
     self._events: queue.SimpleQueue = queue.SimpleQueue()
     self._done = threading.Event()
     self.tokens: list[list[int]] = [[] for _ in range(rows)]
+    # Per row, with logprobs: each new token's `token_scores` row (float32 [E]).
+    self.scores: list[list[np.ndarray]] = [[] for _ in range(rows)]
     self.finish_reasons: list[str | None] = [None] * rows
     self.error: BaseException | None = None
     self.lives: list[_Live] = []
@@ -106,9 +109,11 @@ class Group:
 
   # The engine thread's side.
 
-  def _emit(self, tokens: dict[int, int]) -> None:
+  def _emit(self, tokens: dict[int, int], scores: dict[int, np.ndarray]) -> None:
     if self.first_token_at is None:
       self.first_token_at = time.perf_counter()
+    for row, score in scores.items():
+      self.scores[row].append(score)
     for row, token in tokens.items():
       self.tokens[row].append(token)
     self._events.put(tokens)
@@ -198,30 +203,36 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class Delta:
-  """One new token of a request, and its text delta (with a tokenizer). A last delta with
-  token -1 may carry text held back until the end."""
+  """One new token of a request, and its text delta (with a tokenizer); with `logprobs`, its
+  log-probability and its most likely alternatives ((token, log-probability) pairs). A last
+  delta with token -1 may carry text held back until the end."""
 
   token: int
   text: str | None = None
+  logprob: float | None = None
+  top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
   """A finished request: its new tokens, text (with a tokenizer), why it ended ("stop": EOS or
-  a stop string, "length": its budget) and its timings."""
+  a stop string, "length": its budget) and its timings; with `logprobs`, per token its
+  log-probability and most likely alternatives."""
 
   tokens: list[int]
   text: str | None
   finish_reason: str
   stats: dict[str, Any]
+  logprobs: list[float] | None = None
+  top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
 class Handle:
   """A submitted request. `result()` waits for it; iterating it (or `async for`) streams its
   tokens as `Delta`s; `cancel()` (or dropping the handle) frees its slot at the next step."""
 
-  def __init__(self, group: Group, tokenizer, stop: tuple[str, ...]):
-    self._group, self._tokenizer, self._stop = group, tokenizer, stop
+  def __init__(self, group: Group, tokenizer, stop: tuple[str, ...], logprobs: int | None = None):
+    self._group, self._tokenizer, self._stop, self._top = group, tokenizer, stop, logprobs
 
   @property
   def done(self) -> bool:
@@ -249,8 +260,13 @@ class Handle:
     group.wait(timeout)
     tokens = group.tokens[0]
     shown = None if self._tokenizer is None else final_text(self._tokenizer, tokens, self._stop)
+    logprobs = top_logprobs = None
+    if self._top is not None:
+      unpacked = [unpack_scores(score, self._top) for score in group.scores[0]]
+      logprobs, top_logprobs = [u[0] for u in unpacked], [u[1] for u in unpacked]
     return Completion(tokens=list(tokens), text=shown, finish_reason=group.finish_reasons[0],
-                      stats=request_stats(group, group.lives[0]))
+                      stats=request_stats(group, group.lives[0]), logprobs=logprobs,
+                      top_logprobs=top_logprobs)
 
   @property
   def prompt_tokens(self) -> int:
@@ -259,21 +275,26 @@ class Handle:
 
   def __iter__(self) -> Iterator[Delta]:
     row = None if self._tokenizer is None else RowText(self._tokenizer, self._stop)
-    for event in self._group.events():
-      yield self._delta(row, event[0])
+    for index, event in enumerate(self._group.events()):
+      yield self._delta(row, event[0], index)
     if row is not None and (rest := row.finish()):
       yield Delta(-1, rest)
 
   async def __aiter__(self) -> AsyncIterator[Delta]:
     row = None if self._tokenizer is None else RowText(self._tokenizer, self._stop)
+    index = 0
     async for event in self._group.async_events():
-      yield self._delta(row, event[0])
+      yield self._delta(row, event[0], index)
+      index += 1
     if row is not None and (rest := row.finish()):
       yield Delta(-1, rest)
 
-  @staticmethod
-  def _delta(row: RowText | None, token: int) -> Delta:
-    return Delta(token, None if row is None else row.push(token))
+  def _delta(self, row: RowText | None, token: int, index: int) -> Delta:
+    shown = None if row is None else row.push(token)
+    if self._top is None:
+      return Delta(token, shown)
+    logprob, top = unpack_scores(self._group.scores[0][index], self._top)
+    return Delta(token, shown, logprob, top)
 
 
 def request_stats(group: Group, live: _Live) -> dict[str, Any]:
@@ -327,7 +348,7 @@ class Scheduler:
     for row, prompt in enumerate(request.rows):
       follow = RowText(self.tokenizer, request.stop) if request.stop else None
       group.lives.append(_Live(group, row, prompt, request.max_new_tokens, request.settings,
-                               follow, deadline))
+                               follow, deadline, request.logprobs))
     with self._wakeup:
       if self._closed:
         raise EngineClosed("the engine is closed")
@@ -533,12 +554,13 @@ class Scheduler:
       slots[b], starts[b] = live.slot, live.prefilled
     staged = host_io.stage((tokens, slots, starts, counts, self._sampling(group, rows)),
                            self.inputs_at)
-    new, cache = self.table.get(("chunk", rows, size))(self.weights, self.cache.get(), *staged)
+    new, logits, cache = self.table.get(("chunk", rows, size))(self.weights, self.cache.get(),
+                                                               *staged)
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
       live.prefilled += int(counts[b])
-    self._join(group, np.asarray(new))
+    self._join(group, new, logits)
 
   def _first_chunks(self, fresh: list[_Live], lengths: tuple[int, ...]) -> None:
     """The first chunk of up to PROMPT_BATCH new prompts in one "prompts" call: they hold
@@ -571,13 +593,13 @@ class Scheduler:
       counts[b] = min(size, len(live.prompt))
       tokens[b, :counts[b]] = live.prompt[:counts[b]]
     staged = host_io.stage((tokens, counts, self._sampling(group, rows)), self.inputs_at)
-    new, cache = self.table.get(("prompts", rows, size))(
+    new, logits, cache = self.table.get(("prompts", rows, size))(
         self.weights, self.cache.get(), staged[0], staged[1], np.int32(first), staged[2])
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
       live.prefilled = int(counts[b])
-    self._join(group, np.asarray(new))
+    self._join(group, new, logits)
 
   def _load_prefix(self, live: _Live) -> list[tuple[int, int, int]]:
     """A new request's cached prompt blocks: (slot, block, pool block) pairs to copy."""
@@ -606,26 +628,34 @@ class Scheduler:
         self.pool.set(self.table.get(("save",))(self.pool.get(), self.cache.get(), slots,
                                                 blocks, pool_ids))
 
-  def _join(self, lives: list[_Live], tokens: np.ndarray) -> None:
-    """Requests whose chunk completed their prompt join the decode batch with its token (and
-    their blocks go into the prefix cache)."""
-    done = [(live, int(tokens[b])) for b, live in enumerate(lives)
-            if live.prefilled == len(live.prompt)]
-    for live, _ in done:
+  def _join(self, lives: list[_Live], new, logits) -> None:
+    """Requests whose chunk completed their prompt join the decode batch with its token `new`
+    (their blocks go into the prefix cache); the token's scores come from `logits` (both on
+    the device) only for requests that asked for log-probabilities."""
+    tokens = np.asarray(new)
+    done = [(b, live) for b, live in enumerate(lives) if live.prefilled == len(live.prompt)]
+    scores = None
+    if any(live.logprobs is not None for _, live in done):
+      scores = np.asarray(self.table.get(("token_logprobs", len(tokens)))(logits, new))
+    done = [(live, int(tokens[b]), None if scores is None else scores[b]) for b, live in done]
+    for live, _, _ in done:
       live.position, live.decoding = len(live.prompt), True
       self._inputs = None
     self._deliver(done)
     if self.prefix is not None:
-      self._save_prefix([live for live, _ in done])
+      self._save_prefix([live for live, _, _ in done])
 
-  def _deliver(self, new: list[tuple[_Live, int]]) -> None:
-    """One step's new tokens: emitted to their groups (one event per group), then each request
-    ends on EOS, its budget or a stop string."""
-    by_group: dict[Group, dict[int, int]] = {}
+  def _deliver(self, new: list[tuple[_Live, int, np.ndarray | None]]) -> None:
+    """One step's new tokens (with their scores, or None): emitted to their groups (one event
+    per group), then each request ends on EOS, its budget or a stop string."""
+    by_group: dict[Group, tuple[dict[int, int], dict[int, np.ndarray]]] = {}
     ends = []
-    for live, token in new:
+    for live, token, score in new:
       live.token, live.emitted = token, live.emitted + 1
-      by_group.setdefault(live.group, {})[live.row] = token
+      tokens, scores = by_group.setdefault(live.group, ({}, {}))
+      tokens[live.row] = token
+      if live.logprobs is not None:
+        scores[live.row] = score
       self.counters["tokens"] += 1
       if token in live.settings.eos_ids:
         ends.append((live, "stop"))
@@ -639,8 +669,8 @@ class Scheduler:
           continue
         if live.text.stopped:
           ends.append((live, "stop"))
-    for group, tokens in by_group.items():
-      group._emit(tokens)
+    for group, (tokens, scores) in by_group.items():
+      group._emit(tokens, scores)
     for live, reason in ends:
       if isinstance(reason, BaseException):
         live.finished = True
@@ -667,7 +697,9 @@ class Scheduler:
       self._drain()
       return
     batch = self.config.buckets.batch_bucket(len(rows))
-    greedy = all(live is None or live.settings.greedy for live in rows)
+    # Rows that ask for log-probabilities need the scoring step (with sampling arrays).
+    scored = any(live is not None and live.logprobs is not None for live in rows)
+    greedy = not scored and all(live is None or live.settings.greedy for live in rows)
     if self._inputs is None:
       tokens = np.zeros((batch,), np.int32)
       positions = np.full((batch,), -1, np.int32)
@@ -677,11 +709,15 @@ class Scheduler:
       sampling = None if greedy else self._sampling(rows, batch)
       self._inputs = host_io.stage((tokens, positions, sampling), self.inputs_at)
     tokens, positions, sampling = self._inputs
-    emitted, tokens, positions, cache = self.table.get(("decode", batch, greedy))(
-        self.weights, self.cache.get(), tokens, positions, sampling)
+    key = ("logprobs", batch) if scored else ("decode", batch, greedy)
+    outputs = self.table.get(key)(self.weights, self.cache.get(), tokens, positions, sampling)
+    if scored:
+      emitted, scores, tokens, positions, cache = outputs
+    else:
+      (emitted, tokens, positions, cache), scores = outputs, None
     self.cache.set(cache)
     self._inputs = (tokens, positions, sampling)
-    self._reader.push(emitted, rows)
+    self._reader.push((emitted, scores), rows)
     self.counters["decode_steps"] += 1
     if len(self._reader) > self.config.readback_lag:
       self._read_one()
@@ -703,12 +739,12 @@ class Scheduler:
 
   def _read_one(self) -> None:
     """The oldest step in flight: its tokens go to their requests."""
-    tokens, rows = self._reader.pop()
+    (tokens, scores), rows = self._reader.pop()
     new = []
     for b, live in enumerate(rows):
       if live is not None and not live.finished:
         live.position += 1
-        new.append((live, int(tokens[b])))
+        new.append((live, int(tokens[b]), None if scores is None else scores[b]))
     self._deliver(new)
 
 

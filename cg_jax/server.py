@@ -10,12 +10,25 @@ Rules:
     closed engine a 503, a request past its `request_timeout` a 504.
   * The event loop never blocks on the engine: tokens arrive through the handles' `async for`.
   * A client that disconnects cancels its requests, which frees their slots.
-  * The app's lifespan warms the engine up before the first request (nothing compiles on the
-    request path) and closes it at shutdown; uvicorn's graceful shutdown lets in-flight requests
-    finish for `graceful_timeout` seconds, then cancels them.
+  * The app's lifespan warms the engine up before the first request, log-probabilities'
+    executables included (nothing compiles on the request path), and closes it at shutdown;
+    uvicorn's graceful shutdown lets in-flight requests finish for `graceful_timeout` seconds,
+    then cancels them.
   * `temperature` 0 is greedy; `top_k` (0 or -1 = off), `ignore_eos` and `return_token_ids`
-    (token ids in each choice and chunk) are extensions. `n`, `best_of` are 1; log-probabilities,
-    `echo`, `suffix`, penalties, `logit_bias` and tools are not supported (400).
+    (token ids in each choice and chunk) are extensions. `n`, `best_of` are 1; `suffix`,
+    penalties, `logit_bias` and tools are not supported (400).
+  * Log-probabilities are the model's (before temperature and filtering), natural-log, in
+    OpenAI's formats (`_Logprobs`): /v1/completions' `logprobs` (0 to `TOP_LOGPROBS`
+    alternatives; OpenAI's legacy API allows up to 5), chat's `logprobs: true` with
+    `top_logprobs` (0 to `TOP_LOGPROBS`; without `logprobs: true` a 400). They cover every
+    generated token, the EOS token and the ones of a cut stop string included (as `token_ids`).
+    A token's string is `tokenizer.decode([id], skip_special_tokens=False)` (`_TokenText`).
+  * `echo: true` (/v1/completions) starts each choice's text with its prompt (the string as
+    given, or the token ids decoded) and, with `logprobs`, its logprobs with the prompt's tokens
+    (`engine.score`; the first token's are null): then the prompt may have at most the largest
+    prompt bucket's tokens. `max_tokens: 0` needs `echo` and generates nothing (finish_reason
+    "length"): how evaluation harnesses score prompts. Streamed, the prompt comes first, in a
+    chunk of its own.
 """
 
 from __future__ import annotations
@@ -42,17 +55,21 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import decoders
 
-from cg_jax import validation
+from cg_jax import text, validation
 from cg_jax.chat_template import ChatTemplate, TemplateError
 from cg_jax.engine import Engine
+from cg_jax.executables import SERVING_PHASES
 from cg_jax.hub import resolve_model
+from cg_jax.sampling import TOP_LOGPROBS
 from cg_jax.scheduler import Completion, Delta, EngineClosed, Handle, QueueFull, RequestTimeout
 from models.config import PRESETS
 
 MAX_TEMPERATURE = 2.0
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's; chat's is the rest of the context
 MAX_SEED = 2**32 - 1
+NO_TOKENIZER = "send the prompt to /v1/completions as token ids"  # what to do without a tokenizer
 # Seconds the first token and each next one may take: the histograms' buckets.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -352,10 +369,24 @@ class _CountRequests:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """One prompt of a request, validated: its token ids and `engine.submit`'s keywords."""
+  """One prompt of a request, validated: its token ids, `engine.submit`'s keywords (None: nothing
+  to generate, `echo` with `max_tokens: 0`), the text its choice starts with (`echo`, else None)
+  and its log-probabilities' alternatives per token (None: no logprobs)."""
 
   ids: list[int]
-  options: dict[str, Any]
+  options: dict[str, Any] | None
+  echo: str | None = None
+  top: int | None = None
+
+  @property
+  def scored(self) -> bool:
+    """Whether the choice reports its prompt's log-probabilities (`engine.score`)."""
+    return self.echo is not None and self.top is not None
+
+
+# The choice of a job that generates nothing.
+_NOTHING = Completion(tokens=[], text="", finish_reason="length", stats={}, logprobs=[],
+                      top_logprobs=[])
 
 
 class _ClientGone(Exception):
@@ -404,6 +435,7 @@ class Service:
     self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
     self.request_timeout = request_timeout
     self.metrics = Metrics(engine)
+    self.names = None if engine.tokenizer is None else _TokenText(engine.tokenizer)
     self.closing = False
     self.created = int(time.time())
 
@@ -429,21 +461,9 @@ class Service:
     if isinstance(body, CompletionRequest):
       if body.best_of not in (None, 1):
         raise _bad("best_of", f"best_of={body.best_of} is not supported: allowed best_of=1")
-      if body.logprobs is not None:
-        raise _bad("logprobs", "logprobs are not supported yet: allowed null",
-                   code="unsupported_parameter")
-      if body.echo:
-        raise _bad("echo", "echo=true is not supported yet: allowed false",
-                   code="unsupported_parameter")
       if body.suffix is not None:
         raise _bad("suffix", "suffix is not supported: allowed null")
     else:
-      if body.logprobs:
-        raise _bad("logprobs", "logprobs are not supported yet: allowed false or null",
-                   code="unsupported_parameter")
-      if body.top_logprobs is not None:
-        raise _bad("top_logprobs", "top_logprobs are not supported yet: allowed null",
-                   code="unsupported_parameter")
       if body.tools:
         raise _bad("tools", "tools are not supported: allowed null or []")
       if body.tool_choice not in (None, "none", "auto"):
@@ -481,9 +501,19 @@ class Service:
       options["eos_token_id"] = []
     return options
 
+  def _top(self, value: int | None, param: str, what: str) -> int | None:
+    """How many alternatives per token `param` asks log-probabilities for: None (off) or 0 to
+    `TOP_LOGPROBS` (the engine's limit)."""
+    allowed = min(TOP_LOGPROBS, self.engine.model_config.vocab_size)
+    if value is not None and not 0 <= value <= allowed:
+      raise _bad(param, f"{param}={value} is out of range: allowed {what} 0 to {allowed} "
+                        f"alternatives per token")
+    return value
+
   def _lengths(self, prompts: list[list[int]], max_tokens: int | None, param: str,
-               max_param: str) -> list[int]:
-    """Each prompt's token budget: `max_tokens`, or (None) the rest of the context."""
+               max_param: str, echo: bool = False) -> list[int]:
+    """Each prompt's token budget: `max_tokens`, or (None) the rest of the context; 0 only with
+    `echo` (nothing generated)."""
     context = self.engine.config.max_seq_len
     budgets = []
     for i, ids in enumerate(prompts):
@@ -497,10 +527,11 @@ class Service:
       room = context - len(ids)
       if max_tokens is None:
         budgets.append(room)
-      elif not 1 <= max_tokens <= room:
+      elif not (1 <= max_tokens <= room or (echo and max_tokens == 0)):
+        zero = "" if param == "messages" else ", or 0 with echo=true"
         raise _bad(max_param, f"{max_param}={max_tokens} is out of range: {which} has {len(ids)} "
                               f"tokens and the context holds {context}; allowed {max_param} 1 "
-                              f"to {room}", code="context_length_exceeded")
+                              f"to {room}{zero}", code="context_length_exceeded")
       else:
         budgets.append(max_tokens)
     return budgets
@@ -527,39 +558,70 @@ class Service:
                                f"0 to {vocab - 1}")
     return prompts
 
-  def _tokenizer(self, param: str):
+  def _tokenizer(self, param: str, needs: str = NO_TOKENIZER):
     if self.engine.tokenizer is None:
       raise _bad(param, f"the model {self.model_name!r} has no tokenizer (no tokenizer.json in "
-                        "its checkpoint): send the prompt to /v1/completions as token ids")
+                        f"its checkpoint): {needs}")
     return self.engine.tokenizer
 
   def completion_jobs(self, body: CompletionRequest) -> list[Job]:
+    """The jobs of a completion request; `echo` with `logprobs` needs prompts that fit the
+    largest prompt bucket (`engine.score`)."""
     self._check_model(body.model)
     self._check_unsupported(body)
     options = self._sampling(body)
+    top = self._top(body.logprobs, "logprobs", "null (off) or")
+    echo = bool(body.echo)
+    if top is not None:
+      self._tokenizer("logprobs", "logprobs need it to name the tokens")
+    if echo:
+      self._tokenizer("echo", "echo needs it to show the prompt")
     prompts = self._token_ids(body.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    budgets = self._lengths(prompts, max_tokens, "prompt", "max_tokens")
-    return [Job(ids, dict(options, max_new_tokens=b)) for ids, b in zip(prompts, budgets)]
+    budgets = self._lengths(prompts, max_tokens, "prompt", "max_tokens", echo=echo)
+    texts: list[str | None] = [None] * len(prompts)
+    if echo:
+      if top is not None:
+        limit = self.engine.config.buckets.prompt_lengths[-1]
+        for i, ids in enumerate(prompts):
+          if len(ids) > limit:
+            which = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise _bad("echo", f"echo=true with logprobs scores the prompt, which may have 1 to "
+                               f"{limit} tokens (the largest prompt bucket); {which} has "
+                               f"{len(ids)}", code="context_length_exceeded")
+      if isinstance(body.prompt, str):
+        texts = [body.prompt]
+      elif isinstance(body.prompt[0], str):
+        texts = list(body.prompt)
+      else:
+        texts = [text.decode(self.engine.tokenizer, ids) for ids in prompts]
+    return [Job(ids, dict(options, max_new_tokens=budget, logprobs=top) if budget else None,
+                shown, top) for ids, budget, shown in zip(prompts, budgets, texts, strict=True)]
 
   def chat_jobs(self, body: ChatCompletionRequest) -> list[Job]:
+    """The job of a chat request; `top_logprobs` needs `logprobs: true`."""
     self._check_model(body.model)
     self._check_unsupported(body)
     options = self._sampling(body)
+    if body.top_logprobs is not None and not body.logprobs:
+      raise _bad("top_logprobs", f"top_logprobs={body.top_logprobs} needs logprobs=true")
+    top = self._top(body.top_logprobs, "top_logprobs", "null or") if body.logprobs else None
+    if body.logprobs and top is None:
+      top = 0
     if self.chat_template is None:
       raise _bad("messages", f"the model {self.model_name!r} has no chat template (no "
                              "chat_template in its tokenizer_config.json): use /v1/completions",
                  code="no_chat_template")
     tokenizer = self._tokenizer("messages")
-    text = self.render(body.messages)
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    rendered = self.render(body.messages)
+    ids = tokenizer.encode(rendered, add_special_tokens=False).ids
     if not ids:
       raise _bad("messages", "the rendered chat prompt is empty")
     max_tokens, name = body.max_tokens, "max_tokens"
     if body.max_completion_tokens is not None:
       max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
     budgets = self._lengths([ids], max_tokens, "messages", name)
-    return [Job(ids, dict(options, max_new_tokens=budgets[0]))]
+    return [Job(ids, dict(options, max_new_tokens=budgets[0], logprobs=top), None, top)]
 
   def render(self, messages: Sequence[ChatMessage]) -> str:
     """The chat prompt of `messages` (text content parts joined)."""
@@ -582,31 +644,52 @@ class Service:
 
   # Running ---------------------------------------------------------------------------------
 
-  def submit(self, jobs: list[Job]) -> list[Handle]:
-    """Queue every job, or none (a failed submit cancels the ones before it)."""
+  def check_open(self) -> None:
     if self.closing:
       raise ApiError(503, "the server is shutting down", type="server_error",
                      code="engine_closed")
+
+  async def scores(self, jobs: list[Job]) -> list[list | None]:
+    """Per job, its prompt's `engine.score` (tokens 1..n-1) if it reports them, else None."""
+    self.check_open()
+    out = []
+    for job in jobs:
+      if not job.scored:
+        out.append(None)
+        continue
+      try:
+        out.append(await asyncio.to_thread(self.engine.score, job.ids, top=job.top))
+      except Exception as error:  # noqa: BLE001 - answered in OpenAI's format
+        raise engine_error(error) from None
+    return out
+
+  def submit(self, jobs: list[Job]) -> list[Handle | None]:
+    """Queue every job that generates (None for the others), or none (a failed submit cancels
+    the ones before it)."""
+    self.check_open()
     handles = []
     try:
       for job in jobs:
-        handles.append(self.engine.submit(job.ids, **job.options))
+        handles.append(None if job.options is None else self.engine.submit(job.ids, **job.options))
     except Exception as error:  # noqa: BLE001 - every failure cancels the jobs queued before it
       for handle in handles:
-        handle.cancel()
+        if handle is not None:
+          handle.cancel()
       raise engine_error(error) from None
     self.metrics.prompt_tokens.inc(sum(len(job.ids) for job in jobs))
     return handles
 
-  async def complete(self, request: fastapi.Request, handles: list[Handle]) -> list[Completion]:
-    """Every request's completion; raises `_ClientGone` (requests cancelled) if the client
-    disconnects first."""
-    work = asyncio.ensure_future(asyncio.gather(*(_finish(h) for h in handles)))
+  async def complete(self, request: fastapi.Request,
+                     handles: list[Handle | None]) -> list[Completion]:
+    """Every request's completion (`_NOTHING` for a job that generates nothing); raises
+    `_ClientGone` (requests cancelled) if the client disconnects first."""
+    live = [h for h in handles if h is not None]
+    work = asyncio.ensure_future(asyncio.gather(*(_finish(h) for h in live)))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
       await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
       if not work.done():
-        self.metrics.cancelled.inc(len(handles))
+        self.metrics.cancelled.inc(len(live))
         raise _ClientGone()
       try:
         completions = work.result()
@@ -615,19 +698,50 @@ class Service:
     finally:
       gone.cancel()
       work.cancel()
-      for handle in handles:
+      for handle in live:
         handle.cancel()
     for completion in completions:
       self.metrics.finished(completion)
-    return completions
+    done = iter(completions)
+    return [_NOTHING if h is None else next(done) for h in handles]
 
-  async def events(self, jobs: list[Job], handles: list[Handle], *, chat: bool,
-                   include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+  def logprobs(self, job: Job, score: list | None, chat: bool) -> _Logprobs | None:
+    """A choice's log-probabilities, its echoed prompt's added (None when not asked)."""
+    if job.top is None:
+      return None
+    choice = _Logprobs(self.names, chat)
+    if job.scored:
+      choice.echo(job.ids, score, len(job.echo))
+    return choice
+
+  def choice_logprobs(self, job: Job, score: list | None, completion: Completion,
+                      chat: bool) -> dict[str, Any] | None:
+    """The "logprobs" of a finished (not streamed) choice."""
+    choice = self.logprobs(job, score, chat)
+    if choice is None:
+      return None
+    for token, logprob, top in zip(completion.tokens, completion.logprobs or [],
+                                   completion.top_logprobs or [], strict=True):
+      choice.add(token, logprob, top)
+    return choice.take()
+
+  async def events(self, jobs: list[Job], handles: list[Handle | None], scores: list, *,
+                   chat: bool, include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
     """The server-sent events of a streamed request: chunks as tokens arrive (a choice per
-    prompt), a last chunk per choice with its finish_reason, the usage chunk if asked, then
-    [DONE]. An error after the first event is sent as an error event before [DONE]."""
+    prompt; with `echo`, a first chunk per choice with its prompt), a last chunk per choice with
+    its finish_reason, the usage chunk if asked, then [DONE]. An error after the first event is
+    sent as an error event before [DONE].
+
+    With logprobs, each chunk carries those of the tokens since the previous chunk of its choice
+    (tokens whose text is held back wait for the chunk that shows it, or the last one), with
+    offsets into the whole choice's text: joined, they equal the non-streamed logprobs. Chat's
+    first (role) chunk has none."""
     chunk = _Chunks(self.model_name, chat, include_usage, token_ids)
     queue: asyncio.Queue = asyncio.Queue()
+    logs = [self.logprobs(job, score, chat) for job, score in zip(jobs, scores, strict=True)]
+
+    def taken(index: int) -> dict[str, Any] | None:
+      return None if logs[index] is None else logs[index].take()
 
     async def pump(index: int, handle: Handle):
       try:
@@ -643,17 +757,27 @@ class Service:
     try:
       if chat:
         yield _event(chunk.choices([chunk.role(i) for i in range(len(handles))]))
-      tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+      for index, job in enumerate(jobs):
+        if job.echo is not None:
+          yield _event(chunk.choices([chunk.delta(index, job.echo, [], taken(index))]))
+        if handles[index] is None:
+          completions[index] = _NOTHING
+          yield _event(chunk.choices([chunk.final(index, _NOTHING.finish_reason,
+                                                  taken(index))]))
+      tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles) if h is not None]
       while any(c is None for c in completions):
         index, item = await queue.get()
         if isinstance(item, Delta):
+          if logs[index] is not None and item.token >= 0:
+            logs[index].add(item.token, item.logprob, item.top_logprobs)
           if item.text or (token_ids and item.token >= 0):
             ids = [item.token] if item.token >= 0 else []
-            yield _event(chunk.choices([chunk.delta(index, item.text or "", ids)]))
+            yield _event(chunk.choices([chunk.delta(index, item.text or "", ids,
+                                                    taken(index))]))
         elif isinstance(item, Completion):
           completions[index] = item
           self.metrics.finished(item)
-          yield _event(chunk.choices([chunk.final(index, item.finish_reason)]))
+          yield _event(chunk.choices([chunk.final(index, item.finish_reason, taken(index))]))
         else:
           failed = True
           yield _event(engine_error(item).body())
@@ -668,7 +792,8 @@ class Service:
       for task in tasks:
         task.cancel()
       for handle in handles:
-        handle.cancel()
+        if handle is not None:
+          handle.cancel()
 
 
 async def _disconnected(request: fastapi.Request) -> None:
@@ -684,6 +809,122 @@ def _usage(jobs: Sequence[Job], completions: Sequence[Completion]) -> dict[str, 
   generated = sum(len(c.tokens) for c in completions)
   return {"prompt_tokens": prompt, "completion_tokens": generated,
           "total_tokens": prompt + generated}
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probabilities
+
+
+def _byte_alphabet() -> dict[str, int]:
+  """Byte-level BPE's alphabet (GPT-2's `bytes_to_unicode`): {the character standing for a byte:
+  the byte}; printable Latin-1 bytes stand for themselves, the others for 256, 257, ..."""
+  kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+          *range(ord("\xae"), ord("\xff") + 1)]
+  chars = {b: b for b in kept}
+  for b in range(256):
+    if b not in chars:
+      chars[b] = 256 + len(chars) - len(kept)
+  return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_alphabet()
+
+
+class _TokenText:
+  """How log-probabilities name tokens. A token's string is `tokenizer.decode([id],
+  skip_special_tokens=False)`: its text, a special token (EOS) by its name, a piece of a UTF-8
+  character as U+FFFD. Its bytes are the UTF-8 bytes it stands for: exact with a byte-level
+  tokenizer (a piece of a character has its own bytes), else its string's UTF-8 bytes."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+    self._names: dict[int, str] = {}
+    self._bytes: dict[int, list[int]] = {}
+
+  def name(self, token: int) -> str:
+    if token not in self._names:
+      self._names[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+    return self._names[token]
+
+  def bytes(self, token: int) -> list[int]:
+    if token not in self._bytes:
+      piece = self.tokenizer.id_to_token(token) if self.byte_level else None
+      if piece and all(c in _BYTE_OF for c in piece):
+        self._bytes[token] = [_BYTE_OF[c] for c in piece]
+      else:
+        self._bytes[token] = list(self.name(token).encode("utf-8"))
+    return self._bytes[token]
+
+
+class _Offsets:
+  """Where each next token starts in its choice's text (/v1/completions' `text_offset`): `start`
+  (the echoed prompt's length) plus the length of the text decoded from the tokens before it
+  (as the choice's text is decoded, an incomplete last character not counted). Tokens after a
+  stop string, which the text leaves out, point at or past its end."""
+
+  def __init__(self, tokenizer, start: int = 0):
+    self.tokenizer, self.start = tokenizer, start
+    self.ids: list[int] = []
+
+  def next(self, token: int) -> int:
+    before = text.decode(self.tokenizer, self.ids).rstrip("\ufffd") if self.ids else ""
+    self.ids.append(token)
+    return self.start + len(before)
+
+
+class _Logprobs:
+  """One choice's log-probabilities in OpenAI's format, built token by token: `add` a token
+  (with its log-probability and most likely alternatives), `take` the entries of the tokens
+  added since the last `take`.
+
+    /v1/completions: {"tokens": [str], "token_logprobs": [float], "top_logprobs": [{str: float}],
+      "text_offset": [int]}; each top_logprobs dict holds the most likely tokens and the chosen
+      one (so up to logprobs + 1 entries, as OpenAI's legacy API; the more likely one wins when
+      two tokens have the same string). An echoed prompt's first token has null token_logprob
+      and top_logprobs.
+    chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+      "bytes"}]}]}, top_logprobs the most likely tokens only.
+  """
+
+  def __init__(self, names: _TokenText, chat: bool):
+    self.names, self.chat = names, chat
+    self.offsets = _Offsets(names.tokenizer)
+    self.entries: list = []
+
+  def echo(self, ids: Sequence[int], scores: list, length: int) -> None:
+    """Add the prompt's tokens (`scores`: `engine.score` of tokens 1..n-1, whose text has
+    `length` characters); the generated tokens' offsets start after it."""
+    offsets = _Offsets(self.names.tokenizer)
+    for i, token in enumerate(ids):
+      logprob, top = (None, None) if i == 0 else scores[i - 1]
+      self._add(token, logprob, top, offsets.next(token))
+    self.offsets = _Offsets(self.names.tokenizer, length)
+
+  def add(self, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> None:
+    self._add(token, logprob, top, self.offsets.next(token))
+
+  def _add(self, token: int, logprob: float | None, top, offset: int) -> None:
+    names = self.names
+    if self.chat:
+      self.entries.append({"token": names.name(token), "logprob": logprob,
+                           "bytes": names.bytes(token),
+                           "top_logprobs": [{"token": names.name(t), "logprob": lp,
+                                             "bytes": names.bytes(t)} for t, lp in top]})
+      return
+    alternatives = None
+    if top is not None:
+      alternatives = {}
+      for t, lp in (*top, (token, logprob)):
+        alternatives.setdefault(names.name(t), lp)
+    self.entries.append((names.name(token), logprob, alternatives, offset))
+
+  def take(self) -> dict[str, Any]:
+    entries, self.entries = self.entries, []
+    if self.chat:
+      return {"content": entries}
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
 
 
 class _Chunks:
@@ -709,36 +950,40 @@ class _Chunks:
     return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}
 
-  def delta(self, index: int, text: str, ids: list[int]) -> dict[str, Any]:
+  def delta(self, index: int, text: str, ids: list[int],
+            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if self.chat:
-      choice = {"index": index, "delta": {"content": text}, "logprobs": None,
+      choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                 "finish_reason": None}
     else:
-      choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+      choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
     if self.token_ids:
       choice["token_ids"] = ids
     return choice
 
-  def final(self, index: int, finish_reason: str) -> dict[str, Any]:
+  def final(self, index: int, finish_reason: str,
+            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if self.chat:
-      return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
-    choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
+      return {"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "text": "", "logprobs": logprobs, "finish_reason": finish_reason}
     if self.token_ids:
       choice["token_ids"] = []
     return choice
 
 
-def completion_response(model: str, jobs: Sequence[Job], completions: Sequence[Completion], *,
-                        chat: bool, token_ids: bool) -> dict[str, Any]:
-  """The JSON body of a finished (not streamed) request; `logprobs` is null in each choice."""
+def completion_response(model: str, jobs: Sequence[Job], completions: Sequence[Completion],
+                        logprobs: Sequence[dict[str, Any] | None], *, chat: bool,
+                        token_ids: bool) -> dict[str, Any]:
+  """The JSON body of a finished (not streamed) request: per choice its text (after the echoed
+  prompt, if any) and its `logprobs` (null when not asked)."""
   choices = []
-  for index, (job, completion) in enumerate(zip(jobs, completions, strict=True)):
-    text = completion.text or ""
+  for index, (job, completion, lp) in enumerate(zip(jobs, completions, logprobs, strict=True)):
+    text = (job.echo or "") + (completion.text or "")
     if chat:
       choice = {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": completion.finish_reason}
+                "logprobs": lp, "finish_reason": completion.finish_reason}
     else:
-      choice = {"index": index, "text": text, "logprobs": None,
+      choice = {"index": index, "text": text, "logprobs": lp,
                 "finish_reason": completion.finish_reason}
     if token_ids:
       choice["prompt_token_ids"] = list(job.ids)
@@ -775,8 +1020,9 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
-    if warmup:
-      await asyncio.to_thread(engine.warmup, progress=False)
+    if warmup:  # with the log-probability executables (decode, prompt tokens, `echo`'s scoring)
+      await asyncio.to_thread(engine.warmup, phases=(*SERVING_PHASES, "logprobs"),
+                              progress=False)
     yield
     service.closing = True
     if close_engine:
@@ -806,17 +1052,20 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
     return engine_error(error).response()
 
   async def run(request: fastapi.Request, body: _Sampling, jobs: list[Job], chat: bool):
+    scores = await service.scores(jobs)
     handles = service.submit(jobs)
     if body.stream:
       include_usage = bool(body.stream_options and body.stream_options.include_usage)
-      events = service.events(jobs, handles, chat=chat, include_usage=include_usage,
+      events = service.events(jobs, handles, scores, chat=chat, include_usage=include_usage,
                               token_ids=body.return_token_ids)
-      return _EventStream(events, handles)
+      return _EventStream(events, [h for h in handles if h is not None])
     try:
       completions = await service.complete(request, handles)
     except _ClientGone:
       return Response(status_code=499)
-    return JSONResponse(completion_response(model_name, jobs, completions, chat=chat,
+    logprobs = [service.choice_logprobs(job, score, completion, chat)
+                for job, score, completion in zip(jobs, scores, completions, strict=True)]
+    return JSONResponse(completion_response(model_name, jobs, completions, logprobs, chat=chat,
                                             token_ids=body.return_token_ids))
 
   @app.post("/v1/completions")

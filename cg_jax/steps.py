@@ -5,10 +5,15 @@ ahead of time per bucket (`cg_jax.executables`):
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
   decode(weights, cache, tokens[B], positions[B], sampling)
                                               -> (emitted[B], tokens[B], positions[B], cache)
+  decode_scored(weights, cache, tokens[B], positions[B], sampling)
+                                   -> (emitted[B], scores[B,E], tokens[B], positions[B], cache)
   decode_loop(weights, cache, LoopState, eos[E], sampling)  -> (LoopState, out[B,loop_steps], cache)
-  prompts(weights, cache, tokens[B,S], lengths[B], first, sampling)  -> (tokens[B], cache)
+  prompts(weights, cache, tokens[B,S], lengths[B], first, sampling)
+                                                                -> (tokens[B], logits[B,V], cache)
   chunk(weights, cache, tokens[B,C], slots[B], starts[B], lengths[B], sampling)
-                                                                   -> (tokens[B], cache)
+                                                                -> (tokens[B], logits[B,V], cache)
+  token_logprobs(logits[B,V], tokens[B])                           -> scores[B,E]
+  score(weights, tokens[1,S])                                      -> scores[S,E]
   move(cache, source, target)                                      -> cache
   load(cache, pool, slots[P], blocks[P], sources[P])               -> cache
   save(pool, cache, slots[P], blocks[P], targets[P])               -> pool
@@ -16,7 +21,10 @@ ahead of time per bucket (`cg_jax.executables`):
 `pool` is the prefix cache's block pool, a KVCache of [L, N, G, K, H] arrays (N blocks of G
 tokens; `cg_jax.prefix_cache` keeps its index); load and save copy P (slot, block) pairs.
 
-A negative position marks an idle row of a decode step (a cache slot not decoding): it writes
+`scores` are `cg_jax.sampling.token_scores` of the new tokens (E = 1 + 2 x top log-probabilities),
+computed only for requests that ask for log-probabilities: by `decode_scored` instead of `decode`,
+and by `token_logprobs` from the logits the prompt executables return. A negative position marks
+an idle row of a decode step (a cache slot not decoding): it writes
 nothing, and stays negative.
 
 `sampling` is a `SamplingArrays` or None (the greedy-only executable). Shape letters: the README's
@@ -33,7 +41,7 @@ import jax.numpy as jnp
 
 from cg_jax.attention import AtRows, RealRows
 from cg_jax.config import ForwardConfig
-from cg_jax.sampling import SamplingArrays, select_tokens
+from cg_jax.sampling import SamplingArrays, select_tokens, token_scores
 from cg_jax.weights import SplitModel
 from models.decoder import KVCache
 
@@ -109,6 +117,17 @@ class StepFunctions:
     # into the following step, which may start before the read-back finishes.
     return next_tokens, next_tokens, next_positions, cache
 
+  def decode_scored(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays):
+    """`decode`, with the new tokens' scores."""
+    logits, cache = self._logits(self.split.merge(weights), tokens, positions, cache)
+    next_positions = jnp.where(positions < 0, positions, positions + 1)
+    next_tokens = select_tokens(logits, next_positions, sampling)
+    return next_tokens, token_scores(logits, next_tokens), next_tokens, next_positions, cache
+
+  @staticmethod
+  def token_logprobs(logits, tokens):
+    return token_scores(logits, tokens)
+
   def decode_loop(self, weights, cache: KVCache, state: LoopState, eos, sampling):
     """Up to `loop_steps` decode steps in one `lax.while_loop`, stopping early when every row is
     done.
@@ -148,7 +167,7 @@ class StepFunctions:
     logits, cache = model.prefill(tokens, lengths, cache,
                                   attention=AtRows(self.attention, first), layer_loop="scan",
                                   shards=self.shards)
-    return select_tokens(logits, lengths, sampling), cache
+    return select_tokens(logits, lengths, sampling), logits, cache
 
   def chunk(self, weights, cache: KVCache, tokens, slots, starts, lengths, sampling):
     """A later chunk of B prompts at their cache offsets: row b's first lengths[b] tokens of
@@ -167,7 +186,17 @@ class StepFunctions:
     # [B, 1, D]: each row's last real token's hidden state
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.unembed(last[:, 0])
-    return select_tokens(logits, starts + lengths, sampling), cache
+    return select_tokens(logits, starts + lengths, sampling), logits, cache
+
+  def score(self, weights, tokens):
+    """Row i of the result scores token i + 1 of tokens [1, S] given the tokens before it (the
+    last row scores nothing meaningful; padding after the prompt does not change earlier
+    rows)."""
+    model = self.split.merge(weights)
+    logits = model.logits(tokens, attention=self.attention, shards=self.shards)
+    # [1, S] -> [S]: each position's next token
+    following = jnp.roll(tokens[0], -1)
+    return token_scores(logits[0], following)
 
   @staticmethod
   def move(cache: KVCache, source, target):

@@ -197,6 +197,16 @@ def stop_strings(stop, has_tokenizer: bool) -> tuple[str, ...]:
   return tuple(values)
 
 
+def logprobs(value, allowed: int) -> int | None:
+  """None (off) or how many alternatives to return per token, in [0, allowed]."""
+  if value is None:
+    return None
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or \
+      not 0 <= value <= allowed:
+    raise ValueError(f"logprobs must be None or an int in [0, {allowed}], got {value!r}")
+  return int(value)
+
+
 @dataclasses.dataclass
 class Request:
   """A validated request: its prompts, budget, sampling settings and stop strings."""
@@ -207,3 +217,4 @@ class Request:
   device_loop: bool
   stop: tuple[str, ...] = ()
   stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+  logprobs: int | None = None  # top alternatives per new token (0: the chosen one's only)

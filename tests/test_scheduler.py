@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cg_jax import Engine, compile_stats
+from cg_jax.executables import SERVING_PHASES
 from cg_jax.scheduler import EngineClosed, QueueFull, RequestTimeout
 
 OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16))
@@ -37,7 +38,7 @@ def _shared_prefixes(seed, count, vocab=263):
 @pytest.fixture(scope="module")
 def engine():
   engine = Engine.from_pretrained("tiny-llama", **OPTIONS)
-  engine.warmup(progress=False)
+  engine.warmup(phases=(*SERVING_PHASES, "logprobs"), progress=False)
   yield engine
   engine.close()
 
@@ -265,3 +266,55 @@ def test_prompts_prefilled_together_leave_running_rows_alone():
       time.sleep(0.02)  # arrivals while others decode
   assert [h.result(timeout=120).tokens for h in handles] == solo
   engine.close()
+
+
+def _reference_logprobs(engine, prompt, tokens):
+  """float64 log-softmax of the engine's cache-free float32 logits at each new token."""
+  logits = engine.logits(np.array([list(prompt) + list(tokens)], np.int32))[0].astype(np.float64)
+  logits = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+  return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("options", [{}, {"do_sample": True, "temperature": 0.8, "seed": 3}])
+def test_logprobs_match_the_reference(engine, options):
+  """Each new token's log-probability and its top alternatives equal a float64 log-softmax of
+  the cache-free logits (greedy and sampled), in a batch with other requests, whose tokens do
+  not change; the stream's deltas carry the same values."""
+  prompt, other = _prompts(21, 2)
+  alone = engine.generate([other], max_new_tokens=9, eos_token_id=[])[0]
+  before = compile_stats.compile_count()
+  neighbour = engine.submit(other, 9, eos_token_id=[])
+  handle = engine.submit(prompt, 9, eos_token_id=[], logprobs=3, **options)
+  result = handle.result(timeout=60)
+  assert neighbour.result(timeout=60).tokens == alone
+  reference = _reference_logprobs(engine, prompt, result.tokens)
+  chosen = reference[np.arange(len(result.tokens)), result.tokens]
+  np.testing.assert_allclose(result.logprobs, chosen, atol=2e-4)
+  for row, top in zip(reference, result.top_logprobs):
+    assert [t for t, _ in top] == list(np.argsort(-row)[:3])
+    np.testing.assert_allclose([lp for _, lp in top], np.sort(row)[::-1][:3], atol=2e-4)
+  deltas = list(engine.submit(prompt, 9, eos_token_id=[], logprobs=3, **options))
+  assert [d.token for d in deltas] == result.tokens
+  np.testing.assert_allclose([d.logprob for d in deltas], result.logprobs, atol=1e-6)
+  assert [d.top_logprobs for d in deltas][0] == result.top_logprobs[0]
+  assert compile_stats.compile_count() == before  # warmed up with the "logprobs" phase
+
+
+def test_prompt_scores_match_the_reference(engine):
+  prompt = list(np.random.default_rng(22).integers(2, 263, (13,)))
+  scores = engine.score(prompt, top=2)
+  reference = _reference_logprobs(engine, prompt[:1], prompt[1:])
+  assert len(scores) == len(prompt) - 1
+  np.testing.assert_allclose([s[0] for s in scores],
+                             reference[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-4)
+  assert [[t for t, _ in s[1]] for s in scores] == [list(np.argsort(-r)[:2]) for r in reference]
+
+
+def test_bad_logprobs_are_refused(engine):
+  with pytest.raises(ValueError, match=r"logprobs must be None or an int in \[0, 20\], got 21"):
+    engine.submit([3, 4], 2, logprobs=21)
+  with pytest.raises(ValueError, match="logprobs needs device_loop=False"):
+    engine.validate([[3, 4]], 2, logprobs=1, device_loop=True)
+  with pytest.raises(ValueError, match="at most 16 tokens"):
+    engine.score(list(range(2, 30)))

@@ -1,6 +1,8 @@
 """The OpenAI-compatible server (cg_jax.server) on the CPU with the bundled model: one live uvicorn
 server on 127.0.0.1 driven by the official `openai` client. Completions and chat equal the
-in-process `engine.generate` (text and token ids, streamed or not); 32 concurrent streams; a
+in-process `engine.generate` (text and token ids, streamed or not); log-probabilities (completions,
+`echo`, chat, streamed or not) equal a float64 log-softmax of `engine.logits`; 32 concurrent
+streams; a
 client that disconnects frees its slot; each bad request gets its status and message in OpenAI's
 format; /metrics, /health, /v1/models; chat templates rendered as transformers renders them;
 SIGTERM drains and exits; no thread is left behind."""
@@ -19,6 +21,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -392,8 +395,11 @@ def test_bad_requests_get_their_status_and_message(client, port):
       (dict(prompt=3.5), 400, "prompt", "prompt must be a string"),
       (dict(stop=[""]), 400, "stop", "non-empty"),
       (dict(seed=-1), 400, "seed", "allowed 0 to 4294967295"),
-      (dict(logprobs=1), 400, "logprobs", "not supported yet"),
-      (dict(echo=True), 400, "echo", "not supported yet"),
+      (dict(logprobs=21), 400, "logprobs", "allowed null (off) or 0 to 20"),
+      (dict(logprobs=-1), 400, "logprobs", "allowed null (off) or 0 to 20"),
+      (dict(prompt=list(range(1, 41)), echo=True, logprobs=1), 400, "echo", "may have 1 to 32"),
+      (dict(prompt=[[5], list(range(1, 34))], echo=True, logprobs=0, max_tokens=0), 400, "echo",
+       "prompt[1] has 33"),
       (dict(stream_options={"include_usage": True}), 400, "stream_options", "stream=true"),
       (dict(extra_body={"frobnicate": 1}), 400, "frobnicate", "unrecognized"),
   ]
@@ -403,9 +409,14 @@ def test_bad_requests_get_their_status_and_message(client, port):
     assert (error.value.status_code, error.value.param) == (status, param), change
     assert words in error.value.message, (change, error.value.message)
     assert error.value.type == "invalid_request_error"
-  with pytest.raises(openai.BadRequestError) as error:
-    client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
-  assert "not supported yet" in error.value.message
+  for change, param, words in ((dict(top_logprobs=2), "top_logprobs", "needs logprobs=true"),
+                               (dict(logprobs=False, top_logprobs=0), "top_logprobs",
+                                "needs logprobs=true"),
+                               (dict(logprobs=True, top_logprobs=21), "top_logprobs",
+                                "allowed null or 0 to 20")):
+    with pytest.raises(openai.BadRequestError) as error:
+      client.chat.completions.create(model=MODEL, messages=MESSAGES, **change)
+    assert error.value.param == param and words in error.value.message, error.value.message
   with pytest.raises(openai.BadRequestError) as error:
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=500)
   assert error.value.param == "max_tokens" and "context holds 256" in error.value.message
@@ -501,6 +512,239 @@ def test_metrics_count_requests_and_tokens(client, engine, port):
   assert after[("cg_jax_compiles_since_warmup", ())] == 0  # nothing compiled on the request path
   if "prefix_cache_hits" in engine.stats():
     assert ("cg_jax_prefix_cache_hits", ()) in after
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probabilities. These come after test_metrics_count_requests_and_tokens: `engine.logits`
+# compiles (once: `_reference` pads every sequence to the context).
+
+ATOL = 2e-4  # float32 engine against the float64 reference
+
+
+def _reference(engine, ids) -> np.ndarray:
+  """[len(ids), V] float64 log-softmax of `engine.logits` (cache-free, float32): row i is the
+  distribution of token i + 1. The sequence is padded to the context, which a causal model's
+  earlier positions do not see."""
+  padded = np.zeros((1, OPTIONS["max_seq_len"]), np.int64)
+  padded[0, :len(ids)] = ids
+  logits = engine.logits(padded)[0, :len(ids)].astype(np.float64)
+  shifted = logits - logits.max(axis=-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _close(a, b) -> bool:
+  """Equal, but floats within ATOL (two runs may batch differently, which changes the float32
+  rounding)."""
+  if isinstance(a, float) and isinstance(b, float):
+    return abs(a - b) < ATOL
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+  if isinstance(a, list) and isinstance(b, list):
+    return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+  return a == b
+
+
+def _name(engine, token) -> str:
+  return engine.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _check_top(engine, row, got: dict, k: int, chosen: int):
+  """`got` ({token string: logprob}) holds the k most likely tokens of `row` and the chosen one,
+  with the reference's values (ties at the k-th within ATOL may swap)."""
+  order = np.argsort(-row, kind="stable")
+  expected = {_name(engine, t) for t in order[:k]} | {_name(engine, chosen)}
+  by_name = {}
+  for t in order[:k + 8]:
+    by_name.setdefault(_name(engine, t), row[t])
+  by_name.setdefault(_name(engine, chosen), row[chosen])
+  if set(got) != expected:  # only a near-tie may differ
+    kth = row[order[k - 1]] if k else np.inf
+    assert all(abs(by_name[n] - kth) < ATOL for n in set(got) ^ expected if n in by_name), \
+        (got, expected)
+    assert len(got) == len(expected)
+  for token_name, logprob in got.items():
+    assert abs(logprob - by_name[token_name]) < ATOL, (token_name, logprob, by_name[token_name])
+
+
+def _check_completion_logprobs(engine, logprobs, prompt_ids, generated, k, text, start=0):
+  """A choice's generated tokens' logprobs (after `start` entries) against the reference."""
+  ref = _reference(engine, list(prompt_ids) + list(generated))
+  tokens = logprobs.tokens[start:]
+  assert len(tokens) == len(logprobs.token_logprobs[start:]) == len(generated)
+  assert len(logprobs.top_logprobs) == len(logprobs.text_offset) == len(logprobs.tokens)
+  for i, token in enumerate(generated):
+    row = ref[len(prompt_ids) - 1 + i]
+    assert tokens[i] == _name(engine, token)
+    assert abs(logprobs.token_logprobs[start + i] - row[token]) < ATOL
+    _check_top(engine, row, logprobs.top_logprobs[start + i], k, token)
+    offset = logprobs.text_offset[start + i] - logprobs.text_offset[start]
+    assert offset == len(engine.tokenizer.decode(list(generated[:i]), skip_special_tokens=True))
+    if token != 0:  # the text shows every token but EOS
+      assert text[logprobs.text_offset[start + i]:].startswith(tokens[i])
+
+
+def test_completion_logprobs_equal_the_reference(client, engine):
+  """Greedy and sampled completions' logprobs are the model's (before temperature and top-k),
+  with the top alternatives and the chosen token, offsets into the text; logprobs=0 gives the
+  chosen token alone."""
+  ids = engine.tokenizer.encode(PROMPTS[0]).ids
+  for k, sampling in ((5, dict(temperature=0)), (3, dict(temperature=1.5, seed=3, top_k=8)),
+                      (0, dict(temperature=0))):
+    reply = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=24, logprobs=k, seed=sampling.get("seed"),
+        temperature=sampling["temperature"],
+        extra_body={"return_token_ids": True, "top_k": sampling.get("top_k", 0)})
+    (choice,) = reply.choices
+    _check_completion_logprobs(engine, choice.logprobs, ids, choice.token_ids, k, choice.text)
+    if k == 0:
+      assert [list(t) for t in choice.logprobs.top_logprobs] == [[t] for t in
+                                                                  choice.logprobs.tokens]
+    if k == 3:  # sampled at temperature 1.5: some token is not the most likely
+      assert any(len(top) == 4 for top in choice.logprobs.top_logprobs)
+  # Several prompts, one EOS-ended: each choice its own logprobs (EOS named as its text).
+  reply = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=40, temperature=0,
+                                    logprobs=1, extra_body={"return_token_ids": True})
+  for prompt, choice in zip(PROMPTS, reply.choices, strict=True):
+    _check_completion_logprobs(engine, choice.logprobs, engine.tokenizer.encode(prompt).ids,
+                               choice.token_ids, 1, choice.text)
+    if choice.finish_reason == "stop" and choice.token_ids[-1] == 0:
+      assert choice.logprobs.tokens[-1] == "<|endoftext|>"
+      assert choice.logprobs.text_offset[-1] == len(choice.text)
+
+
+def test_echo_scores_the_prompt(client, engine, port):
+  """echo=true, max_tokens=0, logprobs=1 (how harnesses score text): the prompt's text and its
+  tokens' logprobs, the first null; nothing compiles on the way (the app's warm-up has the
+  "logprobs" phase: scoring and logprob decode steps). With a
+  budget, the echoed prompt comes before the generated tokens' logprobs."""
+  compiles = _metrics(port)[("cg_jax_compiles_since_warmup", ())]
+  prompt = "And God said, Let there be light"
+  ids = engine.tokenizer.encode(prompt).ids
+  scored = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0,
+                                     logprobs=1)
+  by_ids = client.completions.create(model=MODEL, prompt=[ids, ids[:1]], echo=True, max_tokens=0,
+                                     logprobs=1)
+  echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=8,
+                                     logprobs=2, temperature=0,
+                                     extra_body={"return_token_ids": True})
+  plain_echo = client.completions.create(model=MODEL, prompt=list(range(1, 60)), echo=True,
+                                         max_tokens=2, temperature=0)  # no scoring: no limit
+  assert _metrics(port)[("cg_jax_compiles_since_warmup", ())] == compiles
+  (choice,) = scored.choices
+  assert choice.text == prompt and choice.finish_reason == "length"
+  assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+  lp = choice.logprobs
+  assert lp.tokens == [_name(engine, t) for t in ids] and "".join(lp.tokens) == prompt
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  assert lp.text_offset == [len(engine.tokenizer.decode(ids[:i])) for i in range(len(ids))]
+  ref = _reference(engine, ids)
+  for i in range(1, len(ids)):
+    assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]]) < ATOL
+    _check_top(engine, ref[i - 1], lp.top_logprobs[i], 1, ids[i])
+  assert by_ids.choices[0].text == prompt
+  assert _close(by_ids.choices[0].logprobs.model_dump(), lp.model_dump())
+  assert by_ids.choices[1].logprobs.token_logprobs == [None]
+  assert by_ids.choices[1].text == engine.tokenizer.decode(ids[:1])
+  # With tokens to generate: the prompt's logprobs, then the generated ones.
+  (choice,) = echoed.choices
+  generated = choice.token_ids
+  alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=2,
+                                    temperature=0).choices[0]
+  assert choice.text == prompt + alone.text
+  assert choice.logprobs.tokens[:len(ids)] == lp.tokens
+  assert choice.logprobs.text_offset[:len(ids)] == lp.text_offset
+  assert choice.logprobs.text_offset[len(ids):] == [len(prompt) + o
+                                                    for o in alone.logprobs.text_offset]
+  assert _close(choice.logprobs.token_logprobs[len(ids):], alone.logprobs.token_logprobs)
+  _check_completion_logprobs(engine, choice.logprobs, ids, generated, 2, choice.text,
+                             start=len(ids))
+  for i in range(1, len(ids)):
+    assert abs(choice.logprobs.token_logprobs[i] - ref[i - 1, ids[i]]) < ATOL
+  assert plain_echo.choices[0].text.startswith(engine.tokenizer.decode(list(range(1, 60))))
+  assert plain_echo.choices[0].logprobs is None
+
+
+def test_chat_logprobs_equal_the_reference(client, engine):
+  """Chat's logprobs: per token its string, logprob, UTF-8 bytes and top_logprobs (the k most
+  likely); logprobs=true alone gives empty top_logprobs. Byte-level tokens' bytes are exact."""
+  ids = engine.tokenizer.encode(RENDERED, add_special_tokens=False).ids
+  reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                         temperature=0, logprobs=True, top_logprobs=3,
+                                         extra_body={"return_token_ids": True})
+  (choice,) = reply.choices
+  generated = choice.model_extra["token_ids"]
+  content = choice.logprobs.content
+  assert len(content) == len(generated) == reply.usage.completion_tokens
+  ref = _reference(engine, ids + generated)
+  for i, (entry, token) in enumerate(zip(content, generated, strict=True)):
+    row = ref[len(ids) - 1 + i]
+    assert entry.token == _name(engine, token) and "\ufffd" not in entry.token  # ASCII text
+    assert entry.bytes == list(entry.token.encode())
+    assert abs(entry.logprob - row[token]) < ATOL
+    assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+    for alternative, t in zip(entry.top_logprobs, np.argsort(-row, kind="stable")[:3],
+                              strict=True):
+      assert abs(alternative.logprob - row[t]) < ATOL  # by rank: near-ties may swap tokens
+      if "\ufffd" not in alternative.token:  # a whole character: its UTF-8 bytes
+        assert alternative.bytes == list(alternative.token.encode())
+    logprobs = [a.logprob for a in entry.top_logprobs]
+    assert logprobs == sorted(logprobs, reverse=True)
+  text = choice.message.content
+  assert "".join(e.token for e in content if e.token != "<|endoftext|>") == text
+  bare = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                        temperature=0, logprobs=True)
+  assert [(e.token, e.top_logprobs) for e in bare.choices[0].logprobs.content] == \
+      [(e.token, []) for e in content]
+  assert _close([e.logprob for e in bare.choices[0].logprobs.content],
+                [e.logprob for e in content])
+  # "é" is two byte-level tokens, each one byte of its UTF-8 encoding, named U+FFFD.
+  names = server._TokenText(engine.tokenizer)
+  pieces = engine.tokenizer.encode("é", add_special_tokens=False).ids
+  assert [names.bytes(t) for t in pieces] == [[0xC3], [0xA9]]
+  assert [names.name(t) for t in pieces] == ["\ufffd", "\ufffd"]
+  assert names.bytes(0) == list(b"<|endoftext|>") and names.name(0) == "<|endoftext|>"
+
+
+def _joined(chunks, index=0):
+  """The completions logprobs lists of a stream's chunks of one choice, joined."""
+  lists = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+  for chunk in chunks:
+    for choice in chunk.choices:
+      if choice.index == index:
+        for key, values in lists.items():
+          values += getattr(choice.logprobs, key)
+        assert len({len(getattr(choice.logprobs, key)) for key in lists}) == 1
+  return lists
+
+
+def test_streamed_logprobs_equal_the_non_streamed(client):
+  """Each chunk carries its tokens' logprobs: joined, they equal the whole response's (with a
+  stop string holding text back, with echo, with several prompts, and in chat)."""
+  # Text ending " the" or "," waits for the next token (it may begin a stop string).
+  for request in (dict(prompt=PROMPTS[1], max_tokens=30, logprobs=3, stop=[" theZ", ",Q", ":"]),
+                  dict(prompt=PROMPTS[0], max_tokens=10, logprobs=2, echo=True),
+                  dict(prompt=PROMPTS[2], max_tokens=0, logprobs=1, echo=True),
+                  dict(prompt=PROMPTS, max_tokens=6, logprobs=0)):
+    whole = client.completions.create(model=MODEL, temperature=0, **request)
+    chunks = list(client.completions.create(model=MODEL, temperature=0, stream=True, **request))
+    for choice in whole.choices:
+      joined = _joined(chunks, choice.index)
+      assert joined["tokens"] and joined["tokens"] == choice.logprobs.tokens
+      assert joined["text_offset"] == choice.logprobs.text_offset
+      assert _close(joined["token_logprobs"], choice.logprobs.token_logprobs)
+      assert _close(joined["top_logprobs"], choice.logprobs.top_logprobs)
+      assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == choice.index) \
+          == choice.text
+    if request.get("echo"):
+      assert chunks[0].choices[0].text == request["prompt"]
+  whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=15,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+  chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=15,
+                                               temperature=0, logprobs=True, top_logprobs=2,
+                                               stream=True))
+  assert chunks[0].choices[0].logprobs is None  # the role chunk
+  streamed = [e.model_dump() for c in chunks[1:] for e in c.choices[0].logprobs.content]
+  assert streamed and _close(streamed, [e.model_dump() for e in whole.choices[0].logprobs.content])
 
 
 def test_sigterm_drains_and_exits():
