@@ -73,7 +73,8 @@ class Engine:
       compiler_options, attention, layer_loop, min_matmul_rows, cache_write, decode_attention
       (a `DecodeAttentionConfig`), prefill_attention (a `FlashAttentionConfig`).
     compilation_cache: persistent compilation cache directory, True for the user default,
-      False to leave it off.
+      False to leave it off. The compiled executables are stored there too, serialized: a
+      second engine of the same build and configuration starts without compiling.
     memory_limit_bytes: override the device-memory budget used by the start-up check.
     seed: weight-initialisation seed when `weights` is None.
   """
@@ -112,7 +113,9 @@ class Engine:
     mesh = None if self._parallel is None else self._parallel.mesh
     steps = StepFunctions(self._split, e.forward, attention.for_forward(e.forward, mesh),
                           e.decode_loop_steps, e.tensor_parallel)
-    self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel)
+    # Compiled executables are also stored serialized beside the compilation cache.
+    store = None if compilation_cache is False else self.compilation_cache_dir
+    self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)
     if self._parallel is None:
       inputs_at = cache_at = jax.devices()[0]
     else:
@@ -245,6 +248,7 @@ class Engine:
         else count - self._compiles_at_warmup,
         "compile_seconds_total": compile_stats.compile_seconds(),
         "persistent_cache_hits": compile_stats.cache_hit_count(),
+        "executables_loaded": self.executables.loaded,
         "executables": len(self.executables.compiled),
         "warmup_seconds": sum(self.executables.compile_seconds.values()),
         "warmup_wall_s": self._warmup_wall_s,

@@ -24,19 +24,32 @@ cache on, "prefix": pool, load, save) and, for requests with log-probabilities, 
 `generate(..., device_loop=True)` the static ones.
 Every executable takes and returns the same placements, and the decode state (cache, tokens,
 positions) is donated, so each output reuses its input's buffer from step to step.
+
+With a store directory (the engine's compilation cache directory), each compiled executable is
+also kept there serialized, named by a digest of the key, the model and engine configs, the
+dtype, the jax version, the device kind and the source of `cg_jax` and `models`: a later
+engine of the same build loads it without tracing, lowering or compiling (one device only).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
+import pathlib
+import pickle
+import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import serialize_executable
 from tqdm.auto import tqdm
+
+import models
 
 from cg_jax import validation
 from cg_jax.config import EngineConfig
@@ -59,14 +72,20 @@ class ExecutableTable:
     model: the model's config; config: the engine's.
     steps: the step functions; dtype: the cache's dtype.
     parallel: the tensor-parallel placements, or None on one device.
+    store: a directory for serialized executables, or None (see the module docstring).
   """
 
   def __init__(self, model: DecoderConfig, config: EngineConfig, steps: StepFunctions, dtype,
-               parallel: TensorParallel | None):
+               parallel: TensorParallel | None, store: str | os.PathLike | None = None):
     self.model, self.config, self.steps, self.dtype = model, config, steps, dtype
     self.parallel = parallel
     self.compiled: dict[tuple, Any] = {}
     self.compile_seconds: dict[tuple, float] = {}
+    self.loaded = 0  # executables loaded from the store
+    self._store = None
+    if store is not None and parallel is None:
+      self._store = pathlib.Path(store) / "executables"
+      self._build_digest = _build_digest(model, config, dtype)
 
   def keys(self, batch_sizes: Sequence[int] | None = None,
            prompt_lengths: Sequence[int] | None = None,
@@ -214,7 +233,17 @@ class ExecutableTable:
 
   def _build(self, key: tuple):
     start = time.perf_counter()
+    path = None
+    if self._store is not None:
+      name = hashlib.sha256(f"{self._build_digest}{key!r}".encode()).hexdigest()[:32]
+      path = self._store / f"{'-'.join(map(str, key))}-{name}.exe"
+      exe = _load(path)
+      if exe is not None:
+        self.loaded += 1
+        return exe, time.perf_counter() - start
     exe = self.lower(key).compile(compiler_options=self.config.xla_options)
+    if path is not None:
+      _save(path, exe)
     return exe, time.perf_counter() - start
 
   def compile(self, keys: Sequence[tuple], progress: bool = True,
@@ -235,3 +264,41 @@ class ExecutableTable:
   def share(self, other: "ExecutableTable") -> None:
     """Use `other`'s executables (same configuration and weights) instead of compiling again."""
     self.compiled, self.compile_seconds = other.compiled, other.compile_seconds
+
+
+def _build_digest(model: DecoderConfig, config: EngineConfig, dtype) -> str:
+  """What an executable depends on besides its key: configs, dtype, versions, device kind and
+  the source of the step functions."""
+  digest = hashlib.sha256(repr((model, config, str(dtype), jax.__version__,
+                                jax.devices()[0].device_kind)).encode())
+  for package in (pathlib.Path(__file__).parent, pathlib.Path(models.__file__).parent):
+    for source in sorted(package.rglob("*.py")):
+      digest.update(source.read_bytes())
+  return digest.hexdigest()
+
+
+def _load(path: pathlib.Path):
+  """A stored executable, or None (absent, or unreadable: then it is compiled again)."""
+  if not path.exists():
+    return None
+  try:
+    with open(path, "rb") as f:
+      payload, in_tree, out_tree = pickle.load(f)
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+  except Exception as error:  # noqa: BLE001 - a bad file costs a compile, not the engine
+    warnings.warn(f"could not load the stored executable {path} ({error!r}); compiling it",
+                  stacklevel=3)
+    return None
+
+
+def _save(path: pathlib.Path, exe) -> None:
+  """Store an executable (written to a temporary file, then renamed: readers never see half a
+  file); an executable that does not serialize is simply not stored."""
+  try:
+    blob = pickle.dumps(serialize_executable.serialize(exe))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+      f.write(blob)
+    os.replace(f.name, path)
+  except Exception as error:  # noqa: BLE001
+    warnings.warn(f"could not store the executable {path.name} ({error!r})", stacklevel=3)

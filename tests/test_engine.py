@@ -1,5 +1,6 @@
 """Engine: buckets, ahead-of-time warmup, sampling, streaming, device loop, validation."""
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cg_jax import Buckets, Engine, compile_stats
-from cg_jax.executables import PHASES
+from cg_jax.executables import PHASES, ExecutableTable
 from cg_jax.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
 
@@ -293,3 +294,28 @@ def test_padded_matmul_rows_give_the_same_tokens(engine):
 def test_unknown_engine_options_are_named(options, match):
   with pytest.raises(TypeError, match=match):
     Engine(preset("tiny-gpt2"), **options)
+
+
+def test_stored_executables_load_and_a_bad_file_is_compiled_again(engine, tmp_path):
+  """An executable stored by one table loads in another of the same build (and runs the same);
+  an unreadable file is compiled again with a warning; another configuration stores apart."""
+  def table(config=engine.config):
+    return ExecutableTable(engine.model_config, config, engine.executables.steps, engine.dtype,
+                           None, store=tmp_path)
+
+  first, second = table(), table()
+  cache = first.get(("cache",))()
+  moved = first.get(("move",))(cache, np.int32(0), np.int32(1))
+  assert first.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 2
+  again = second.get(("move",))(second.get(("cache",))(), np.int32(0), np.int32(1))
+  assert second.loaded == 2
+  np.testing.assert_array_equal(np.asarray(again.k), np.asarray(moved.k))
+  for path in (tmp_path / "executables").iterdir():
+    path.write_bytes(b"not an executable")
+  with pytest.warns(UserWarning, match="could not load the stored executable"):
+    third = table()
+    third.get(("move",))
+  assert third.loaded == 0
+  other = table(dataclasses.replace(engine.config, readback_lag=1))
+  other.get(("move",))
+  assert other.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 3
