@@ -288,17 +288,17 @@ def test_logprobs_match_the_reference(engine, options):
   handle = engine.submit(prompt, 9, eos_token_id=[], logprobs=3, **options)
   result = handle.result(timeout=60)
   assert neighbour.result(timeout=60).tokens == alone
+  deltas = list(engine.submit(prompt, 9, eos_token_id=[], logprobs=3, **options))
+  assert compile_stats.compile_count() == before  # warmed up with the "logprobs" phase
   reference = _reference_logprobs(engine, prompt, result.tokens)
   chosen = reference[np.arange(len(result.tokens)), result.tokens]
   np.testing.assert_allclose(result.logprobs, chosen, atol=2e-4)
   for row, top in zip(reference, result.top_logprobs):
     assert [t for t, _ in top] == list(np.argsort(-row)[:3])
     np.testing.assert_allclose([lp for _, lp in top], np.sort(row)[::-1][:3], atol=2e-4)
-  deltas = list(engine.submit(prompt, 9, eos_token_id=[], logprobs=3, **options))
   assert [d.token for d in deltas] == result.tokens
   np.testing.assert_allclose([d.logprob for d in deltas], result.logprobs, atol=1e-6)
   assert [d.top_logprobs for d in deltas][0] == result.top_logprobs[0]
-  assert compile_stats.compile_count() == before  # warmed up with the "logprobs" phase
 
 
 def test_prompt_scores_match_the_reference(engine):
