@@ -231,30 +231,54 @@ class ExecutableTable:
       self.compiled[key] = exe
     return exe
 
-  def _build(self, key: tuple):
+  def _stored(self, key: tuple) -> pathlib.Path | None:
+    if self._store is None:
+      return None
+    name = hashlib.sha256(f"{self._build_digest}{key!r}".encode()).hexdigest()[:32]
+    return self._store / f"{'-'.join(map(str, key))}-{name}.exe"
+
+  def _load(self, key: tuple):
+    """The stored executable of a key and its load seconds, or None."""
     start = time.perf_counter()
-    path = None
-    if self._store is not None:
-      name = hashlib.sha256(f"{self._build_digest}{key!r}".encode()).hexdigest()[:32]
-      path = self._store / f"{'-'.join(map(str, key))}-{name}.exe"
-      exe = _load(path)
-      if exe is not None:
-        self.loaded += 1
-        return exe, time.perf_counter() - start
+    path = self._stored(key)
+    exe = None if path is None else _load(path)
+    if exe is None:
+      return None
+    self.loaded += 1
+    return exe, time.perf_counter() - start
+
+  def _build(self, key: tuple):
+    """(executable, seconds): loaded from the store, or else compiled (and stored)."""
+    loaded = self._load(key)
+    if loaded is not None:
+      return loaded
+    return self._compile(key)
+
+  def _compile(self, key: tuple):
+    start = time.perf_counter()
     exe = self.lower(key).compile(compiler_options=self.config.xla_options)
+    path = self._stored(key)
     if path is not None:
       _save(path, exe)
     return exe, time.perf_counter() - start
 
   def compile(self, keys: Sequence[tuple], progress: bool = True,
               workers: int | None = None) -> dict[str, float]:
-    """Compile `keys` on `workers` threads (None: one per CPU core; XLA compiles outside the
-    GIL), with a progress bar when asked; {name: compile seconds of that key}."""
-    todo = [key for key in dict.fromkeys(keys) if key not in self.compiled]
+    """Load the stored executables of `keys` (in this thread) and compile the others on
+    `workers` threads (None: one per CPU core; XLA compiles outside the GIL), with a progress
+    bar when asked; {name: compile or load seconds of that key}."""
+    todo = []
+    for key in dict.fromkeys(keys):  # stored executables load here, one at a time
+      if key not in self.compiled:
+        loaded = self._load(key)
+        if loaded is None:
+          todo.append(key)
+        else:
+          self.compiled[key], self.compile_seconds[key] = loaded
     workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cg_jax-compile") \
         as pool:
-      futures = {pool.submit(self._build, key): key for key in todo}
+      futures = {pool.submit(self._compile, key): key for key in todo}
       for future in tqdm(concurrent.futures.as_completed(futures), total=len(futures),
                          desc="compiling", disable=not progress, unit="exe"):
         key = futures[future]
