@@ -124,9 +124,12 @@ def test_persistent_cache_serves_the_second_start(tmp_path):
             "s['tokens'] = list(e.generate([[3, 4, 5]], 6, eos_token_id=[]));"
             "print(json.dumps(s))")
   env = dict(os.environ, JAX_PLATFORMS="cpu", CG_JAX_COMPILATION_CACHE=str(tmp_path / "xla"))
-  runs = [json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True,
-                                    text=True, cwd=ROOT, env=env, check=True).stdout)
-          for _ in range(2)]
+  runs = []
+  for _ in range(2):
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, env=env)
+    assert done.returncode == 0, f"start {len(runs) + 1} failed:\n{done.stderr[-4000:]}"
+    runs.append(json.loads(done.stdout))
   assert runs[0]["compilation_cache_dir"] == str(tmp_path / "xla")
   assert runs[0]["persistent_cache_hits"] == 0 and runs[0]["executables_loaded"] == 0
   # Every engine executable is loaded as it was stored (nothing traced or compiled), and
