@@ -56,6 +56,20 @@ def _int_list(text: str) -> list[int]:
     raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
+def _engine_flags(parser: argparse.ArgumentParser, batches: str) -> None:
+  """The engine options `generate` and `serve` share; `batches` ends --batch-buckets' help."""
+  parser.add_argument("--dtype", default=None, choices=_DTYPES,
+                      help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
+                           "elsewhere)")
+  parser.add_argument("--batch-buckets", type=_int_list, default=list(DEFAULT_BATCH_BUCKETS),
+                      help=f"batch sizes to compile, comma separated; {batches}")
+  parser.add_argument("--max-seq-len", type=int, default=None,
+                      help="KV cache length (prompt + new tokens); None = min(model context, "
+                           "2048)")
+  parser.add_argument("--tensor-parallel", type=int, default=1,
+                      help="split the model over this many devices (cg_jax.sharding)")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m cg_jax", description=__doc__,
                                    formatter_class=_HELP)
@@ -79,15 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--stop", action="append", metavar="TEXT",
                    help="finish a row when its text contains TEXT, cut before it (repeatable); "
                         "needs a tokenizer")
-  gen.add_argument("--dtype", default=None, choices=_DTYPES,
-                   help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
-                        "elsewhere)")
-  gen.add_argument("--batch-buckets", type=_int_list, default=list(DEFAULT_BATCH_BUCKETS),
-                   help="batch sizes to compile, comma separated; a larger batch runs in parts")
-  gen.add_argument("--max-seq-len", type=int, default=None,
-                   help="KV cache length (prompt + new tokens); None = min(model context, 2048)")
-  gen.add_argument("--tensor-parallel", type=int, default=1,
-                   help="split the model over this many devices (cg_jax.sharding)")
+  _engine_flags(gen, "a larger batch runs in parts")
   gen.add_argument("--device-loop", action="store_true",
                    help="generate several tokens per host call inside one executable")
   output = gen.add_mutually_exclusive_group()
@@ -102,19 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name clients pass as `model`; None = --model as given")
   srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
   srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
-  srv.add_argument("--dtype", default=None, choices=_DTYPES,
-                   help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
-                        "elsewhere)")
-  srv.add_argument("--batch-buckets", type=_int_list, default=list(DEFAULT_BATCH_BUCKETS),
-                   help="batch sizes to compile, comma separated; the largest is the number of "
-                        "requests decoded together")
+  _engine_flags(srv, "the largest is the number of requests decoded together")
   srv.add_argument("--prompt-buckets", type=_int_list, default=None,
                    help="prompt chunk lengths to compile, comma separated; None = powers of two "
                         "from 16 below --max-seq-len")
-  srv.add_argument("--max-seq-len", type=int, default=None,
-                   help="KV cache length (prompt + new tokens); None = min(model context, 2048)")
-  srv.add_argument("--tensor-parallel", type=int, default=1,
-                   help="split the model over this many devices (cg_jax.sharding)")
   srv.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait for a slot; more are answered 429")
   srv.add_argument("--request-timeout", type=float, default=None,
