@@ -1,5 +1,4 @@
-"""CPU benchmark (not a test): per-token latency of generate, stream and the device loop on a tiny
-model, after warmup. Prints a table; medians over repeats.
+"""CPU benchmark (not a test): per-token latency of generate and stream on a tiny model, after warmup. Prints a table; medians over repeats.
 
   python benchmarks/cpu_generate_latency.py [--model tiny-llama] [--new-tokens 64] [--repeats 5]
 """
@@ -20,15 +19,15 @@ def main():
   args = parser.parse_args()
 
   engine = Engine.from_pretrained(args.model, batch_buckets=(args.batch,), prompt_buckets=(16,),
-                                  max_seq_len=16 + args.new_tokens + 1, decode_loop_steps=16)
+                                  max_seq_len=16 + args.new_tokens + 1)
   start = time.perf_counter()
   engine.warmup(progress=False)
   warmup_s = time.perf_counter() - start
   prompts = [[1 + i, 2, 3, 4, 5] for i in range(args.batch)]
   common = dict(max_new_tokens=args.new_tokens, eos_token_id=[])
 
-  def run_generate(device_loop):
-    return engine.generate(prompts, device_loop=device_loop, **common).stats["per_token_s"]
+  def run_generate():
+    return engine.generate(prompts, **common).stats["per_token_s"]
 
   def run_stream():
     chunks = engine.stream(prompts, **common)
@@ -37,9 +36,7 @@ def main():
     steps = sum(1 for _ in chunks)
     return (time.perf_counter() - first) / steps
 
-  rows = {"generate (host loop)": lambda: run_generate(False),
-          "stream (host loop)": run_stream,
-          "generate (device loop, K=16)": lambda: run_generate(True)}
+  rows = {"generate": run_generate, "stream": run_stream}
   print(f"model {args.model}, batch {args.batch}, {args.new_tokens} new tokens, "
         f"warmup {warmup_s:.1f} s ({len(engine.executable_keys())} executables)")
   print(f"{'mode':32s} {'median per-token latency':>26s}")

@@ -96,7 +96,7 @@ def main():
     try:
       engine = base.with_options(graphs=mode, compiler_options=options, compilation_cache=False)
       start = time.perf_counter()
-      engine.warmup(phases=("decode", "loop") if mode == "full" else ("decode",), progress=False)
+      engine.warmup(phases=("decode",), progress=False)
       row["compile_s"] = time.perf_counter() - start
       row.update(profile.time_decode(engine, args.batch, position=args.max_seq_len // 2))
       row["trivial_dispatch_us"] = trivial_dispatch_us(engine, args.batch,
@@ -104,11 +104,6 @@ def main():
       if mode != "off":
         row["no_emitted_dispatch_us"] = no_emitted_dispatch_us(engine, args.batch,
                                                                args.max_seq_len // 2)
-      if mode == "full":  # one call per K tokens
-        row["loop_call_dispatch_us"] = profile.device_loop_dispatch_us(
-            engine, args.batch, position=args.max_seq_len // 2)
-        row["loop_dispatch_per_token_us"] = (row["loop_call_dispatch_us"]
-                                             / engine.config.decode_loop_steps)
     except Exception as err:  # an option this XLA rejects: record it and go on
       row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
     rows.append(row)

@@ -85,7 +85,7 @@ if has mosaic-probe; then
 fi
 if has graphs-b32; then
   run graphs-b32 75 python3 benchmarks/graphs_bench.py --attention pallas --models gpt2 \
-    --modes full --layer-loops unroll --batches 32 --traces none --loop-batches none
+    --modes full --layer-loops unroll --batches 32 --traces none
 fi
 if has graphs-all; then  # every mode, with the idle-queue dispatch column (issue #4's table)
   run graphs-all 420 python3 benchmarks/graphs_bench.py --attention pallas \
@@ -97,22 +97,22 @@ if has graphs-final; then  # the other modes on gpt2, then full mode on every mo
     --modes off,xla-default --layer-loops unroll --batches 1,8 --traces none --ttft-len 0
   run graphs-full 300 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,gpt2-large,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8,32 \
-    --traces gpt2,llama-3.2-1b --loop-batches 1
+    --traces gpt2,llama-3.2-1b
 fi
 if has graphs-write; then  # the decode attention storing the new K/V itself, against a scatter
   run graphs-write 330 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8,32 \
-    --cache-writes fused,scatter --traces gpt2,llama-3.2-1b --loop-batches none
+    --cache-writes fused,scatter --traces gpt2,llama-3.2-1b
 fi
 if has graphs-large; then
   run graphs-large 260 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2-large --modes full --layer-loops unroll --batches 1,8,32 --traces gpt2-large \
-    --loop-batches none
+   
 fi
 if has graphs-long; then
   run graphs-long 170 python3 benchmarks/graphs_bench.py --attention pallas \
     --models llama-3.2-1b --modes full --layer-loops unroll --batches 1,8,32 --traces none \
-    --loop-batches none --max-seq-len 4096
+    --max-seq-len 4096
 fi
 if has attention-decode; then
   run attention-decode 150 python3 benchmarks/attention_bench.py --parts decode
@@ -124,7 +124,7 @@ fi
 if has matmul-rows; then  # the step with its products on 1/8/16 rows
   run matmul-rows 200 python3 benchmarks/graphs_bench.py --attention pallas \
     --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1 --traces gpt2 \
-    --loop-batches none --matmul-rows 1,8,16 --ttft-len 0
+    --matmul-rows 1,8,16 --ttft-len 0
 fi
 if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host while GPUs wait
   echo "=== graphs-gemm ($(date +%T)) ==="
@@ -143,7 +143,7 @@ if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host whil
       for _ in $(seq 240); do [ -e $ck/$m.exit ] && break; sleep 1; done
       CUDA_VISIBLE_DEVICES=$gpu run "gemm-$m-$t" 300 python3 benchmarks/graphs_bench.py \
         --attention pallas --checkpoint-dir $ck --models $m --modes full --layer-loops unroll \
-        --batches "${BATCHES:-1,8,32}" --traces none --loop-batches none --max-seq-len $t \
+        --batches "${BATCHES:-1,8,32}" --traces none --max-seq-len $t \
         --gemms $gemms
     done
   }

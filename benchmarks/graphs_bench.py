@@ -2,7 +2,7 @@
 
 One process, one model's weights shared by every mode (Engine.with_options), bfloat16, KV cache
 1024 long, decode at position 512. Per row: step latency pipelined (token fed back on device),
-with the token read back every step, the device loop's per-token time, kernels / graph launches /
+with the token read back every step, kernels / graph launches /
 outside-graph launches / memcpys per step, host dispatch per step (from the profile and from the
 call's return time) and the idle-gap share; greedy tokens are checked identical across modes.
 
@@ -52,8 +52,6 @@ def main():
   parser.add_argument("--max-seq-len", type=int, default=1024)
   parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   parser.add_argument("--traces", default="gpt2", help="models whose batch-1 traces are kept")
-  parser.add_argument("--loop-batches", default="1",
-                      help="batches that time the device loop ('none': no loop timing)")
   parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
   parser.add_argument("--matmul-rows", default="8",
                       help="comma list of Engine(min_matmul_rows=...) values to compare")
@@ -101,11 +99,8 @@ def main():
           engine.warmup(batch_sizes=[1], phases=("prefill", "first", "decode"), progress=False)
           tokens = list(engine.generate(prompt, max_new_tokens=16, eos_token_id=[]))
           reference_tokens = reference_tokens or tokens
-          loop_batches = [int(b) for b in args.loop_batches.split(",") if b.strip().isdigit()]
           for batch in batches:
-            timed_loop = batch in loop_batches
-            engine.warmup(batch_sizes=[batch], phases=("decode", "loop") if timed_loop else ("decode",),
-                          progress=False)
+            engine.warmup(batch_sizes=[batch], phases=("decode",), progress=False)
             compile_s = time.perf_counter() - start
             row = dict(meta, mode=mode, layer_loop=layer_loop, model=model,
                        batch=batch, min_matmul_rows=matmul_rows,
@@ -115,14 +110,6 @@ def main():
             row.update(profile.time_decode(engine, batch, position=args.position))
             row["step_readback_us"] = profile.time_decode(engine, batch, position=args.position,
                                                           read_back=True)["step_us"]
-            row["device_loop_token_us"] = float("nan")
-            if timed_loop:
-              row["device_loop_token_us"] = profile.time_device_loop(engine, batch, position=args.position)
-              loop_report, _ = profile.profile_device_loop(engine, batch, position=args.position)
-              row["device_loop_k"] = engine.config.decode_loop_steps
-              row["device_loop_graph_launches_per_token"] = loop_report.graph_launches_per_step
-              row["device_loop_kernel_launches_outside_graphs_per_token"] = (
-                  loop_report.kernel_launches_outside_graphs_per_step)
             trace_dir = os.path.join("/tmp", f"trace_{name}_{batch}")
             report, trace_path = profile.profile_decode(engine, batch, position=args.position,
                                                         logdir=trace_dir)
@@ -142,7 +129,7 @@ def main():
             print(f"{model:13s} {layer_loop:6s} {mode:11s} {cache_write:7s} {gemm:6s} "
                   f"rows>={matmul_rows:<2d} "
                   f"B={batch:<2d} step {row['step_us']:8.1f} us "
-                  f"readback {row['step_readback_us']:8.1f} loop {row['device_loop_token_us']:8.1f} "
+                  f"readback {row['step_readback_us']:8.1f} "
                   f"kern {row['kernels_per_step']:6.1f} graphs {row['graph_launches_per_step']:5.1f} "
                   f"launch {row['kernel_launches_outside_graphs_per_step']:6.1f} "
                   f"disp {row['host_dispatch_us']:6.1f} call {row['pipelined_call_us']:6.1f} "
@@ -158,7 +145,7 @@ def main():
     del base
 
   print("\nmodel          loop   mode        write   gemm   rows B   step_us  readback  "
-        "loop/tok kern/step graphs/step outside disp_us idle  floor")
+        "kern/step graphs/step outside disp_us idle  floor")
   for r in rows:
     if r.get("status") == "failed":
       print(f"{r['model']:14s} {r['layer_loop']:6s} {r['mode']:11s} "
@@ -169,7 +156,7 @@ def main():
           f"{r['cache_write']:7s} {r['gemm']:6s} "
           f"{r['min_matmul_rows']:<4d} "
           f"{r['batch']:<3d} "
-          f"{r['step_us']:8.1f} {r['step_readback_us']:9.1f} {r['device_loop_token_us']:9.1f} "
+          f"{r['step_us']:8.1f} {r['step_readback_us']:9.1f} "
           f"{r['kernels_per_step']:9.1f} {r['graph_launches_per_step']:11.1f} "
           f"{r['kernel_launches_outside_graphs_per_step']:7.1f} {r['host_dispatch_us']:7.1f} "
           f"{r['idle_gap_share']:5.2f} {r['floor_us']:6.0f}")

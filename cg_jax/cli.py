@@ -94,8 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="finish a row when its text contains TEXT, cut before it (repeatable); "
                         "needs a tokenizer")
   _engine_flags(gen, "a larger batch runs in parts")
-  gen.add_argument("--device-loop", action="store_true",
-                   help="generate several tokens per host call inside one executable")
   output = gen.add_mutually_exclusive_group()
   output.add_argument("--stream", action="store_true",
                       help="print the text (or token ids) as it is produced; one prompt only")
@@ -251,7 +249,7 @@ def generate(args) -> int:
                                   max_seq_len=args.max_seq_len,
                                   tensor_parallel=args.tensor_parallel, **dtype)
   options = dict(do_sample=args.temperature > 0, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, device_loop=args.device_loop)
+                 top_p=args.top_p, seed=args.seed)
   if args.stop:
     options["stop"] = args.stop
   # Validate before compiling anything, then compile only the buckets this request needs.

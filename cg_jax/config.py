@@ -33,6 +33,13 @@ ATTENTION_BACKENDS = ("xla", "pallas")
 CACHE_WRITES = ("fused", "scatter")
 # Largest readback lag and matmul row padding accepted.
 MAX_READBACK_LAG = 8
+# The prompt executables' GEMMs: "xla" leaves the choice to XLA (its autotuned Triton GEMM
+# fusions, as the decode steps use), "cublas" turns Triton GEMMs off so that the long-M products
+# of a prefill go to cuBLAS (benchmarks/results/prefill_h200.md).
+PREFILL_GEMMS: dict[str, dict[str, Any]] = {
+    "xla": {},
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+}
 MAX_MATMUL_ROWS = 64
 
 
@@ -54,8 +61,8 @@ class ForwardConfig:
   """How the model's forward paths run.
 
   attention: "pallas" (the fused kernels of `cg_jax.kernels`; interpreted off the GPU) or "xla".
-  layer_loop: the decode steps' layer loop, "unroll" (straight-line: one CUDA graph per step) or
-    "scan" (`lax.scan`: faster compiles). Prefill always scans.
+  layer_loop: every forward path's layer loop, "unroll" (straight-line: one CUDA graph per call,
+    no copies of the weights' layer slices) or "scan" (`lax.scan`: faster compiles).
   min_matmul_rows: decode steps with fewer rows run their layers on the hidden state padded to
     this many rows (1 = none), so XLA emits GEMMs instead of its single-row multiply-and-reduce
     rewrite (benchmarks/results/projections_h200.md). Results are unchanged.
@@ -122,9 +129,9 @@ class EngineConfig:
   buckets: batch and prompt-length buckets; the cache holds `buckets.max_batch` rows.
   forward: how the forward paths run (`ForwardConfig`).
   graphs: CUDA-graph mode (`cg_jax.graphs.GRAPH_MODES`).
+  prefill_gemm: the GEMM backend of the prompt executables (`PREFILL_GEMMS`).
   readback_lag: decode steps launched ahead of the one whose tokens the host reads (0: each
     step is read synchronously).
-  decode_loop_steps: tokens per host call with `device_loop=True`.
   tensor_parallel: devices the model is split over (`cg_jax.sharding`).
   max_waiting: requests the scheduler's waiting queue holds; more is a `QueueFull` error.
   prefix_cache_tokens: the prefix cache's pool size in tokens (`cg_jax.prefix_cache`): prompts
@@ -140,7 +147,7 @@ class EngineConfig:
   forward: ForwardConfig
   graphs: str = "xla-default"
   readback_lag: int = 2
-  decode_loop_steps: int = 16
+  prefill_gemm: str = "cublas"
   tensor_parallel: int = 1
   max_waiting: int = 1024
   prefix_cache_tokens: int = 0
@@ -161,8 +168,7 @@ class EngineConfig:
     if not _is_int(self.readback_lag) or not 0 <= self.readback_lag <= MAX_READBACK_LAG:
       raise ValueError(f"readback_lag must be an int in [0, {MAX_READBACK_LAG}], "
                        f"got {self.readback_lag!r}")
-    if not _is_int(self.decode_loop_steps) or self.decode_loop_steps < 1:
-      raise ValueError(f"decode_loop_steps must be an int >= 1, got {self.decode_loop_steps!r}")
+    _choice("prefill_gemm", self.prefill_gemm, tuple(PREFILL_GEMMS))
     if not _is_int(self.max_waiting) or self.max_waiting < 1:
       raise ValueError(f"max_waiting must be an int >= 1, got {self.max_waiting!r}")
     if not _is_int(self.prefix_block) or not 1 <= self.prefix_block < self.max_seq_len:
@@ -184,7 +190,7 @@ class EngineConfig:
   def create(cls, model: DecoderConfig, *, max_seq_len: int | None = None,
              batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
              prompt_buckets: Sequence[int] | None = None, graphs: str = "xla-default",
-             readback_lag: int = 2, decode_loop_steps: int = 16, tensor_parallel: int = 1,
+             readback_lag: int = 2, prefill_gemm: str = "cublas", tensor_parallel: int = 1,
              max_waiting: int = 1024, prefix_cache_tokens: int | None = None,
              prefix_block: int | None = None, compiler_options: Mapping[str, Any] | None = None,
              **forward_options) -> "EngineConfig":
@@ -208,7 +214,7 @@ class EngineConfig:
         max_seq_len=max_seq_len,
         buckets=Buckets(tuple(batch_buckets), tuple(prompt_buckets or ())),
         forward=ForwardConfig.create(**forward_options), graphs=graphs,
-        readback_lag=readback_lag, decode_loop_steps=decode_loop_steps,
+        readback_lag=readback_lag, prefill_gemm=prefill_gemm,
         tensor_parallel=tensor_parallel, max_waiting=max_waiting,
         prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block,
         compiler_options=tuple(sorted((compiler_options or {}).items())))
@@ -233,12 +239,19 @@ class EngineConfig:
     """The XLA options every executable is compiled with: the graph mode's plus the extras."""
     return graph_modes.compiler_options(self.graphs, dict(self.compiler_options))
 
+  @property
+  def prefill_xla_options(self) -> dict[str, Any]:
+    """The XLA options of the prompt executables: `xla_options` with the prefill GEMM choice
+    (the extras still win)."""
+    return graph_modes.compiler_options(
+        self.graphs, {**PREFILL_GEMMS[self.prefill_gemm], **dict(self.compiler_options)})
+
   def options(self) -> dict[str, Any]:
     """Keyword options that rebuild this tree through `create`."""
     f = self.forward
     return dict(max_seq_len=self.max_seq_len, batch_buckets=self.buckets.batch_sizes,
                 prompt_buckets=self.buckets.prompt_lengths, graphs=self.graphs,
-                readback_lag=self.readback_lag, decode_loop_steps=self.decode_loop_steps,
+                readback_lag=self.readback_lag, prefill_gemm=self.prefill_gemm,
                 tensor_parallel=self.tensor_parallel, max_waiting=self.max_waiting,
                 prefix_cache_tokens=self.prefix_cache_tokens, prefix_block=self.prefix_block,
                 compiler_options=dict(self.compiler_options), attention=f.attention,
@@ -252,6 +265,7 @@ class EngineConfig:
     out["decode_attention"] = dataclasses.asdict(self.forward.decode_attention)
     out["prefill_attention"] = dataclasses.asdict(self.forward.prefill_attention)
     out["xla_options"] = self.xla_options
+    out["prefill_xla_options"] = self.prefill_xla_options
     return out
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cg_jax import attention, compile_stats, host_io, text, validation
+from cg_jax import attention, compile_stats, text, validation
 from cg_jax.config import OPTION_NAMES, EngineConfig, on_gpu
 from cg_jax.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.generation import (GenerationResult, Generator, RowText, StreamChunk,
@@ -69,7 +69,7 @@ class Engine:
     engine_config: a whole `EngineConfig` tree; or else
     **options: its keyword options, with the platform's defaults for those left out (see
       `EngineConfig.create` and `ForwardConfig.create`): max_seq_len, batch_buckets,
-      prompt_buckets, graphs, readback_lag, decode_loop_steps, tensor_parallel,
+      prompt_buckets, graphs, readback_lag, prefill_gemm, tensor_parallel,
       compiler_options, attention, layer_loop, min_matmul_rows, cache_write, decode_attention
       (a `DecodeAttentionConfig`), prefill_attention (a `FlashAttentionConfig`).
     compilation_cache: persistent compilation cache directory, True for the user default,
@@ -112,7 +112,7 @@ class Engine:
     self._split = place(config, weights, self.dtype, self._parallel)
     mesh = None if self._parallel is None else self._parallel.mesh
     steps = StepFunctions(self._split, e.forward, attention.for_forward(e.forward, mesh),
-                          e.decode_loop_steps, e.tensor_parallel)
+                          e.tensor_parallel)
     # Compiled executables are also stored serialized beside the compilation cache.
     store = None if compilation_cache is False else self.compilation_cache_dir
     self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)
@@ -129,7 +129,7 @@ class Engine:
     self._lock = threading.RLock()
     self._scheduler = Scheduler(e, self.executables, self.kv_cache, self.prefix_pool,
                                 self._split.weights, inputs_at, tokenizer, self._lock)
-    # The static path (device_loop=True) runs alone: it writes cache rows from 0.
+    # The static path (benchmarks' baseline) runs alone: it writes cache rows from 0.
     self._generator = Generator(e, self.executables, self.kv_cache, self._split.weights,
                                 inputs_at, tokenizer, self._scheduler.exclusive())
     self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(
@@ -218,9 +218,8 @@ class Engine:
     By default the executables that `generate`, `stream` and `submit` use: first prompt chunks
     per prompt bucket and batch bucket (up to 16 prompts), later chunks per prompt bucket, a
     greedy and a sampling decode step per batch bucket, the slot move, the prefix cache's block
-    copies and the cache (`executable_keys()` lists them). `generate(..., device_loop=True)`
-    runs the static path, whose executables ("prefill", "first", "loop") compile on first use
-    or with `phases=cg_jax.executables.PHASES`. Narrow it to the buckets you will use
+    copies and the cache (`executable_keys()` lists them); `phases=cg_jax.executables.PHASES`
+    adds the log-probability and static-path ones. Narrow it to the buckets you will use
     (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start
     fast.
 
@@ -286,34 +285,27 @@ class Engine:
   def validate(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None, device_loop: bool = False,
-               logprobs: int | None = None, **unknown) -> validation.Request:
+               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
+               **unknown) -> validation.Request:
     """Validate a request on the host without running it (nothing touches the device); raises
     the ValueError / TypeError that `generate` would."""
     validation.reject_unknown("generate()", unknown)
     rows = validation.prompts(self._encode(inputs), self.model_config.vocab_size)
-    if not isinstance(device_loop, (bool, np.bool_)):
-      raise TypeError(f"device_loop must be a bool, got {device_loop!r}")
-    # Prompts are prefilled in chunks, up to the cache; the static path takes one bucket.
-    longest = self.config.buckets.max_prompt_len if device_loop else self.config.max_seq_len - 1
-    validation.lengths(rows, max_prompt_len=longest, max_seq_len=self.config.max_seq_len,
-                       max_new_tokens=max_new_tokens)
+    # Prompts are prefilled in chunks, up to the cache.
+    validation.lengths(rows, max_prompt_len=self.config.max_seq_len - 1,
+                       max_seq_len=self.config.max_seq_len, max_new_tokens=max_new_tokens)
     settings = validation.sampling(
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         eos_token_id=eos_token_id, default_eos=self.model_config.eos_token_id,
         vocab_size=self.model_config.vocab_size)
     stops = validation.stop_strings(stop, self.tokenizer is not None)
     top = validation.logprobs(logprobs, min(TOP_LOGPROBS, self.model_config.vocab_size))
-    if top is not None and device_loop:
-      raise ValueError("logprobs needs device_loop=False (the device loop returns no scores)")
-    return validation.Request(rows, max_new_tokens, settings, bool(device_loop), stops,
-                              logprobs=top)
+    return validation.Request(rows, max_new_tokens, settings, stops, logprobs=top)
 
   def generate(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None, device_loop: bool = False,
-               **unknown) -> GenerationResult:
+               stop: str | Sequence[str] | None = None, **unknown) -> GenerationResult:
     """Generate continuations.
 
     Args:
@@ -326,16 +318,13 @@ class Engine:
       eos_token_id: an id or a list of ids; None uses the model's; [] disables EOS.
       stop: a string or a list of strings (needs a tokenizer): a row ends once its text holds
         one; its text is cut before it, its tokens end with the one that completed it.
-      device_loop: generate `decode_loop_steps` tokens per host call inside one executable.
     Returns:
       A `GenerationResult`: a list of new-token lists (EOS included when hit), with `.texts`
       (when a tokenizer exists) and `.stats` (ttft_s, per_token_s, tokens_per_s, ...).
     """
     request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                            stop=stop, device_loop=device_loop, **unknown)
-    if request.device_loop:
-      return self._generator.generate(request)
+                            stop=stop, **unknown)
     start = time.perf_counter()
     group = self._scheduler.submit(request)
     try:
@@ -351,8 +340,7 @@ class Engine:
   def stream(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-             stop: str | Sequence[str] | None = None, device_loop: bool = False,
-             **unknown) -> Iterator[StreamChunk]:
+             stop: str | Sequence[str] | None = None, **unknown) -> Iterator[StreamChunk]:
     """Like `generate`, but yields a `StreamChunk` per step as tokens are produced (with a
     tokenizer, each row's text delta too).
 
@@ -360,9 +348,7 @@ class Engine:
     """
     request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                            stop=stop, device_loop=device_loop, **unknown)
-    if request.device_loop:
-      return self._generator.stream(request)
+                            stop=stop, **unknown)
     return self._stream(request, self._scheduler.submit(request))
 
   def _stream(self, request: validation.Request, group) -> Iterator[StreamChunk]:
@@ -435,7 +421,7 @@ class Engine:
     tokens = np.zeros((1, size), np.int32)
     tokens[0, :len(row)] = row
     scores = np.asarray(self.executables.get(("score", size))(
-        self._split.weights, host_io.stage(tokens, self.input_placement)))
+        self._split.weights, tokens))
     return [unpack_scores(scores[i], top) for i in range(len(row) - 1)]
 
   def _call_stats(self, request: validation.Request, group, start: float) -> dict[str, Any]:
@@ -445,7 +431,7 @@ class Engine:
     steps = max(max((len(t) for t in group.tokens), default=1) - 1, 1)
     return dict(ttft_s=first - start, total_s=end - start, new_tokens=total,
                 per_token_s=(end - first) / steps, tokens_per_s=total / max(end - start, 1e-9),
-                device_loop=False, greedy=request.settings.greedy,
+                greedy=request.settings.greedy,
                 readback_lag=self.config.readback_lag)
 
   @property

@@ -15,13 +15,14 @@ Keys (plain tuples, as `keys()` lists them):
   ("score", length)               the log-probability of each token of a prompt (`echo`)
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
   ("first", batch, greedy)        the first token from prefill's logits (the static path)
-  ("loop", batch, greedy)         `decode_loop_steps` decode steps in one call (the device loop)
 
 `greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
 uses the serving phases (`SERVING_PHASES`: prompts, chunk, decode, move and, with the prefix
 cache on, "prefix": pool, load, save) and, for requests with log-probabilities, "logprobs"
-(logprobs, token_logprobs, score: compiled on first use unless warmed up);
-`generate(..., device_loop=True)` the static ones.
+(logprobs, token_logprobs, score: compiled on first use unless warmed up); the static ones
+("prefill", "first") serve benchmarks and profiles.
+The prompt executables (`PREFILL_KINDS`) compile with `EngineConfig.prefill_xla_options` (their
+GEMM backend), the others with `EngineConfig.xla_options`.
 Every executable takes and returns the same placements, and the decode state (cache, tokens,
 positions) is donated, so each output reuses its input's buffer from step to step.
 
@@ -51,16 +52,16 @@ from tqdm.auto import tqdm
 
 import models
 
-from cg_jax import validation
 from cg_jax.config import EngineConfig
 from cg_jax.sampling import SamplingArrays
 from cg_jax.sharding import TensorParallel
-from cg_jax.steps import LoopState, StepFunctions
+from cg_jax.steps import StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("prompts", "chunk", "decode", "move", "prefix", "logprobs", "prefill", "first", "loop")
+PHASES = ("prompts", "chunk", "decode", "move", "prefix", "logprobs", "prefill", "first")
 SERVING_PHASES = ("prompts", "chunk", "decode", "move", "prefix")
+PREFILL_KINDS = ("prompts", "chunk", "score", "prefill")
 # The most prompts prefilled together by the scheduler.
 PROMPT_BATCH = 16
 
@@ -120,7 +121,7 @@ class ExecutableTable:
     for batch in batch_sizes:
       if "prefill" in phases:
         keys += [("prefill", batch, length) for length in prompt_lengths]
-      for phase in ("first", "decode", "loop"):
+      for phase in ("first", "decode"):
         if phase in phases:
           keys += [(phase, batch, True), (phase, batch, False)]
     return keys
@@ -204,10 +205,6 @@ class ExecutableTable:
     if phase == "decode":
       return (steps.decode, (weights, cache, i32(batch), i32(batch), sampling), (1, 2, 3),
               state + (rep, rep, rep), (rep, rep, rep, "cache"))
-    if phase == "loop":
-      return (steps.decode_loop,
-              (weights, cache, LoopState.spec(batch), i32(validation.MAX_EOS_IDS), sampling),
-              (1, 2), state + (rep, rep, rep), (rep, rep, "cache"))
     raise KeyError(key)
 
   def lower(self, key: tuple):
@@ -256,7 +253,9 @@ class ExecutableTable:
 
   def _compile(self, key: tuple):
     start = time.perf_counter()
-    exe = self.lower(key).compile(compiler_options=self.config.xla_options)
+    options = (self.config.prefill_xla_options if key[0] in PREFILL_KINDS
+               else self.config.xla_options)
+    exe = self.lower(key).compile(compiler_options=options)
     path = self._stored(key)
     if path is not None:
       _save(path, exe)

@@ -1,10 +1,11 @@
-"""The generation loops: a validated request, run batch by batch through the executable table.
+"""Generation results and text, and the static path: a validated request run alone, batch by
+batch, through the executable table (the scheduler's baseline in benchmarks/serving_bench.py;
+`Engine.generate` goes through `cg_jax.scheduler`).
 
 A request's prompts are cut into runs of at most the largest batch bucket; each run is padded
-to its (batch, prompt-length) bucket, prefilled, and decoded one host call per token (the host
-loop) or `decode_loop_steps` tokens per call (the device loop). Steps are launched up to
-`readback_lag` ahead of the one whose tokens are read back (asynchronous device-to-host
-copies), and the next run's inputs are staged while the current one computes.
+to its (batch, prompt-length) bucket, prefilled, and decoded one host call per token. Steps are
+launched up to `readback_lag` ahead of the one whose tokens are read back (asynchronous
+device-to-host copies), and the next run's inputs are staged while the current one computes.
 
 A row finishes on an EOS id, at its token budget, or when its text contains a stop string (the
 text is cut before it; the tokens end with the one that completed it).
@@ -25,7 +26,6 @@ from cg_jax.config import EngineConfig
 from cg_jax.executables import ExecutableTable
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.sampling import SamplingArrays
-from cg_jax.steps import LoopState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ class Generator:
       request.stats.update(
           ttft_s=first_token_at - start, total_s=end - start, new_tokens=total_tokens,
           per_token_s=(end - first_token_at) / decode_steps,
-          tokens_per_s=total_tokens / (end - start), device_loop=request.device_loop,
+          tokens_per_s=total_tokens / (end - start),
           greedy=request.settings.greedy, readback_lag=self.config.readback_lag)
 
   def _prepare(self, request: validation.Request, row_start: int, row_stop: int) -> _Batch:
@@ -236,32 +236,6 @@ class Generator:
                        row_start)
     yield chunk
     step, calls, reader = 1, 0, host_io.AsyncReader()
-
-    if request.device_loop:
-      eos_padded = np.full((validation.MAX_EOS_IDS,), -1, np.int32)
-      eos_padded[:len(eos)] = eos
-      loop = table.get(("loop", batch.batch, greedy))
-      max_calls = -(-(request.max_new_tokens - 1) // self.config.decode_loop_steps)
-      state = LoopState(tokens=first, positions=batch.lengths, done=done.copy(), budget=budget)
-      while True:
-        # Keep up to `lag` further calls queued behind the one being read.
-        while not np.all(done) and calls < max_calls and len(reader) <= lag:
-          state, out, cache = loop(weights, self.cache.get(), state, eos_padded, sampling)
-          self.cache.set(cache)
-          reader.push(out)
-          calls += 1
-        if not len(reader):
-          return following
-        out, _ = reader.pop()
-        for column in out.T:
-          done[:real] |= column[:real] < 0  # finished inside the loop
-          chunk = self._emit(step, {row_start + i: int(column[i]) for i in range(real)
-                                    if not done[i]}, rows, done, row_start)
-          if chunk is None:  # every row has finished
-            done[:] = True
-            break
-          yield chunk
-          step += 1
 
     decode = table.get(("decode", batch.batch, greedy))
     tokens, positions = first, batch.lengths

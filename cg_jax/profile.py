@@ -10,7 +10,7 @@ profiler also slows the host, so `time_decode`'s wall-clock dispatch time is the
 there (no device streams, no graph launches).
 
 `time_decode(engine, batch)` times steps with the token fed back on the device (pipelined) or
-read back to the host each step, and the device loop.
+read back to the host each step.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cg_jax.steps import LoopState
 from models.decoder import KVCache
 
 _MEMCPY = re.compile(r"memcpy|MemcpyHtoD|MemcpyDtoH|MemcpyDtoD|MemcpyH2D|MemcpyD2H|MemcpyD2D",
@@ -278,59 +277,6 @@ def time_prefill(engine, batch: int, prompt_len: int, *, repeats: int = 10,
 
   once()
   return statistics.median(once() for _ in range(repeats)) * 1e3
-
-
-def _device_loop_runner(engine, batch: int, position: int):
-  """A function running one greedy device-loop call of K tokens (cache pre-filled at random)."""
-  bucket = engine.config.buckets.batch_bucket(batch)
-  loop = engine.executables.get(("loop", bucket, True))
-  _, state = _prepare(engine, batch, position)
-  k = engine.config.decode_loop_steps
-  eos = np.full((8,), -1, np.int32)
-
-  def once():
-    """(host seconds until the call returned, seconds until its tokens were on the host)."""
-    loop_state = _inputs(engine, LoopState(
-        tokens=jnp.array(state.tokens), positions=jnp.array(state.positions),
-        done=np.zeros((bucket,), bool), budget=np.full((bucket,), k, np.int32)))
-    cache = engine.kv_cache.get()
-    jax.block_until_ready((cache, loop_state))
-    start = time.perf_counter()
-    _, out, cache = loop(engine.executables.steps.split.weights, cache, loop_state, eos, None)
-    returned = time.perf_counter() - start
-    engine.kv_cache.set(cache)
-    np.asarray(out)
-    return returned, time.perf_counter() - start
-
-  return once, k
-
-
-def time_device_loop(engine, batch: int, *, position: int = 512, repeats: int = 7) -> float:
-  """Median per-token latency (us) of the greedy device loop (K tokens per host call)."""
-  once, k = _device_loop_runner(engine, batch, position)
-  once()
-  return statistics.median(once()[1] for _ in range(repeats)) / k * 1e6
-
-
-def device_loop_dispatch_us(engine, batch: int, *, position: int = 512,
-                            repeats: int = 16) -> float:
-  """Median host time (us) of one device-loop call (K tokens) issued into an idle queue."""
-  once, _ = _device_loop_runner(engine, batch, position)
-  once()
-  return statistics.median(once()[0] for _ in range(repeats)) * 1e6
-
-
-def profile_device_loop(engine, batch: int, *, position: int = 512, calls: int = 3,
-                        logdir: str | None = None) -> tuple[LaunchReport, str]:
-  """Profile `calls` device-loop calls; the report is per generated token (calls x K)."""
-  once, k = _device_loop_runner(engine, batch, position)
-  once()
-  logdir = logdir or tempfile.mkdtemp(prefix="cg_jax_profile_")
-  with jax.profiler.trace(logdir):
-    for _ in range(calls):
-      once()
-  path = find_trace(logdir)
-  return parse_trace(path, calls * k), path
 
 
 def profile_decode(engine, batch: int, *, position: int = 512, steps: int = 10,

@@ -552,10 +552,11 @@ class Scheduler:
       counts[b] = min(size, len(live.prompt) - live.prefilled)
       tokens[b, :counts[b]] = live.prompt[live.prefilled:live.prefilled + counts[b]]
       slots[b], starts[b] = live.slot, live.prefilled
-    staged = host_io.stage((tokens, slots, starts, counts, self._sampling(group, rows)),
-                           self.inputs_at)
-    new, logits, cache = self.table.get(("chunk", rows, size))(self.weights, self.cache.get(),
-                                                               *staged)
+    # Host arrays go to the executable as they are: its call copies them to the device (one
+    # jax.device_put per tree costs more host time than the whole transfer).
+    new, logits, cache = self.table.get(("chunk", rows, size))(
+        self.weights, self.cache.get(), tokens, slots, starts, counts,
+        self._sampling(group, rows))
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
@@ -592,9 +593,9 @@ class Scheduler:
     for b, live in enumerate(group):
       counts[b] = min(size, len(live.prompt))
       tokens[b, :counts[b]] = live.prompt[:counts[b]]
-    staged = host_io.stage((tokens, counts, self._sampling(group, rows)), self.inputs_at)
     new, logits, cache = self.table.get(("prompts", rows, size))(
-        self.weights, self.cache.get(), staged[0], staged[1], np.int32(first), staged[2])
+        self.weights, self.cache.get(), tokens, counts, np.int32(first),
+        self._sampling(group, rows))
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
@@ -620,7 +621,7 @@ class Scheduler:
     for start in range(0, len(pairs), size):
       part = np.full((3, size), -1, np.int32)  # padding pairs copy nothing
       part[:, :len(pairs[start:start + size])] = np.array(pairs[start:start + size]).T
-      slots, blocks, pool_ids = host_io.stage(tuple(part), self.inputs_at)
+      slots, blocks, pool_ids = part
       if phase == "load":
         self.cache.set(self.table.get(("load",))(self.cache.get(), self.pool.get(), slots,
                                                  blocks, pool_ids))
@@ -706,8 +707,10 @@ class Scheduler:
       for b, live in enumerate(rows):
         if live is not None:
           tokens[b], positions[b] = live.token, live.position
-      sampling = None if greedy else self._sampling(rows, batch)
-      self._inputs = host_io.stage((tokens, positions, sampling), self.inputs_at)
+      # The sampling arrays serve every step of this batch: staged once. Tokens and positions
+      # go as host arrays (the steps' outputs replace them).
+      sampling = None if greedy else host_io.stage(self._sampling(rows, batch), self.inputs_at)
+      self._inputs = (tokens, positions, sampling)
     tokens, positions, sampling = self._inputs
     key = ("logprobs", batch) if scored else ("decode", batch, greedy)
     outputs = self.table.get(key)(self.weights, self.cache.get(), tokens, positions, sampling)

@@ -7,7 +7,6 @@ ahead of time per bucket (`cg_jax.executables`):
                                               -> (emitted[B], tokens[B], positions[B], cache)
   decode_scored(weights, cache, tokens[B], positions[B], sampling)
                                    -> (emitted[B], scores[B,E], tokens[B], positions[B], cache)
-  decode_loop(weights, cache, LoopState, eos[E], sampling)  -> (LoopState, out[B,loop_steps], cache)
   prompts(weights, cache, tokens[B,S], lengths[B], first, sampling)
                                                                 -> (tokens[B], logits[B,V], cache)
   chunk(weights, cache, tokens[B,C], slots[B], starts[B], lengths[B], sampling)
@@ -46,27 +45,6 @@ from cg_jax.weights import SplitModel
 from models.decoder import KVCache
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LoopState:
-  """Per-row decode state carried between device-loop calls, each [B].
-
-  tokens: last token of each row; positions: where that token goes in the cache;
-  done: row finished (EOS, budget spent, or a padding row); budget: tokens the row may still emit.
-  """
-
-  tokens: jax.Array
-  positions: jax.Array
-  done: jax.Array
-  budget: jax.Array
-
-  @classmethod
-  def spec(cls, batch: int) -> "LoopState":
-    i32 = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return cls(tokens=i32, positions=i32, done=jax.ShapeDtypeStruct((batch,), jnp.bool_),
-               budget=i32)
-
-
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
   """The step functions of one split model (see the module docstring).
@@ -75,20 +53,18 @@ class StepFunctions:
     split: the split model; its graphdef/treedef are baked into the traces.
     forward: how the forward paths run.
     attention: the attention implementation handed to the model (`cg_jax.attention`).
-    loop_steps: tokens generated per device-loop call.
     shards: the weights' column groups (the tensor-parallel size).
   """
 
   split: SplitModel
   forward: ForwardConfig
   attention: Any
-  loop_steps: int
   shards: int = 1
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)
-    return model.prefill(tokens, lengths, cache, attention=self.attention, layer_loop="scan",
-                         shards=self.shards)
+    return model.prefill(tokens, lengths, cache, attention=self.attention,
+                         layer_loop=self.forward.layer_loop, shards=self.shards)
 
   @staticmethod
   def first_token(logits, positions, sampling: SamplingArrays | None):
@@ -109,55 +85,28 @@ class StepFunctions:
                                         layer_loop=self.forward.layer_loop, shards=self.shards)
     return model.unembed(hidden[:batch]), cache
 
-  def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
+  def _next(self, weights, cache: KVCache, tokens, positions, sampling):
+    """(logits [B, V], next tokens [B], next positions [B], cache) of one decode step."""
     logits, cache = self._logits(self.split.merge(weights), tokens, positions, cache)
     next_positions = jnp.where(positions < 0, positions, positions + 1)
-    next_tokens = select_tokens(logits, next_positions, sampling)
+    return logits, select_tokens(logits, next_positions, sampling), next_positions, cache
+
+  def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
+    _, next_tokens, next_positions, cache = self._next(weights, cache, tokens, positions,
+                                                       sampling)
     # `emitted` is a copy for the host to read back asynchronously: `next_tokens` is donated
     # into the following step, which may start before the read-back finishes.
     return next_tokens, next_tokens, next_positions, cache
 
   def decode_scored(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays):
     """`decode`, with the new tokens' scores."""
-    logits, cache = self._logits(self.split.merge(weights), tokens, positions, cache)
-    next_positions = jnp.where(positions < 0, positions, positions + 1)
-    next_tokens = select_tokens(logits, next_positions, sampling)
+    logits, next_tokens, next_positions, cache = self._next(weights, cache, tokens, positions,
+                                                            sampling)
     return next_tokens, token_scores(logits, next_tokens), next_tokens, next_positions, cache
 
   @staticmethod
   def token_logprobs(logits, tokens):
     return token_scores(logits, tokens)
-
-  def decode_loop(self, weights, cache: KVCache, state: LoopState, eos, sampling):
-    """Up to `loop_steps` decode steps in one `lax.while_loop`, stopping early when every row is
-    done.
-
-    out[b, i] is the i-th token of this call for row b, or -1 once the row was done.
-    A row becomes done after emitting an EOS id (from `eos`, int32 [E], -1 padded) or when its
-    budget reaches 0.
-    """
-    model = self.split.merge(weights)
-    batch = state.tokens.shape[0]
-    out = jnp.full((batch, self.loop_steps), -1, jnp.int32)
-
-    def cond(carry):
-      step, state, _, _ = carry
-      return (step < self.loop_steps) & ~jnp.all(state.done)
-
-    def body(carry):
-      step, state, out, cache = carry
-      logits, cache = self._logits(model, state.tokens, state.positions, cache)
-      positions = jnp.where(state.done, state.positions, state.positions + 1)
-      tokens = select_tokens(logits, positions, sampling)
-      tokens = jnp.where(state.done, state.tokens, tokens)
-      out = out.at[:, step].set(jnp.where(state.done, -1, tokens))
-      budget = jnp.where(state.done, state.budget, state.budget - 1)
-      hit_eos = jnp.any(tokens[:, None] == eos[None, :], axis=-1)
-      done = state.done | hit_eos | (budget <= 0)
-      return step + 1, LoopState(tokens, positions, done, budget), out, cache
-
-    _, state, out, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, cache))
-    return state, out, cache
 
   def prompts(self, weights, cache: KVCache, tokens, lengths, first, sampling):
     """The first chunk of B prompts into cache rows [first, first + B) (an int32 scalar; rows
@@ -165,8 +114,8 @@ class StepFunctions:
     `sampling` (one row each), and the cache."""
     model = self.split.merge(weights)
     logits, cache = model.prefill(tokens, lengths, cache,
-                                  attention=AtRows(self.attention, first), layer_loop="scan",
-                                  shards=self.shards)
+                                  attention=AtRows(self.attention, first),
+                                  layer_loop=self.forward.layer_loop, shards=self.shards)
     return select_tokens(logits, lengths, sampling), logits, cache
 
   def chunk(self, weights, cache: KVCache, tokens, slots, starts, lengths, sampling):
@@ -181,8 +130,8 @@ class StepFunctions:
     # [B, C]; padding past each row's length is -1 (not written)
     positions = jnp.where(offsets < lengths[:, None], starts[:, None] + offsets, -1)
     hidden, cache = model.extend_hidden(tokens, positions, slots, cache,
-                                        attention=self.attention, layer_loop="scan",
-                                        shards=self.shards)
+                                        attention=self.attention,
+                                        layer_loop=self.forward.layer_loop, shards=self.shards)
     # [B, 1, D]: each row's last real token's hidden state
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.unembed(last[:, 0])
@@ -193,7 +142,8 @@ class StepFunctions:
     last row scores nothing meaningful; padding after the prompt does not change earlier
     rows)."""
     model = self.split.merge(weights)
-    logits = model.logits(tokens, attention=self.attention, shards=self.shards)
+    logits = model.logits(tokens, attention=self.attention, layer_loop=self.forward.layer_loop,
+                          shards=self.shards)
     # [1, S] -> [S]: each position's next token
     following = jnp.roll(tokens[0], -1)
     return token_scores(logits[0], following)

@@ -39,6 +39,9 @@ FOREIGN_NAMES = {
     "device_map": "use tensor_parallel (devices to split the model over)",
     "max_batch_size": "use batch_buckets",
     "max_model_len": "use max_seq_len",
+    "device_loop": "removed: it was slower than the pipelined host loop (each decode step is "
+                   "one CUDA graph launched ahead; benchmarks/results/device_loop_h200.md)",
+    "decode_loop_steps": "removed with the device loop (benchmarks/results/device_loop_h200.md)",
 }
 
 
@@ -214,7 +217,6 @@ class Request:
   rows: list[np.ndarray]
   max_new_tokens: int
   settings: SamplingSettings
-  device_loop: bool
   stop: tuple[str, ...] = ()
   stats: dict[str, Any] = dataclasses.field(default_factory=dict)
   logprobs: int | None = None  # top alternatives per new token (0: the chosen one's only)

@@ -117,12 +117,10 @@ def check_engine(name, config):
   error = relative_error(sharded_cache.k, reference_cache.k)
   check(error <= 1e-5, f"{name}: cache keys differ by {error:.2e}")
 
-  # Greedy tokens: host loop, device loop, streaming, unrolled layers.
+  # Greedy tokens: generate, streaming, unrolled layers.
   expected = single.generate(PROMPTS, max_new_tokens=10, eos_token_id=[])
   check(parallel.generate(PROMPTS, max_new_tokens=10, eos_token_id=[]) == expected,
-        f"{name}: greedy tokens differ (host loop)")
-  check(parallel.generate(PROMPTS, max_new_tokens=10, eos_token_id=[], device_loop=True)
-        == expected, f"{name}: greedy tokens differ (device loop)")
+        f"{name}: greedy tokens differ")
   streamed = [[] for _ in PROMPTS]
   for chunk in parallel.stream(PROMPTS, max_new_tokens=10, eos_token_id=[]):
     for row, token in chunk.tokens.items():
@@ -147,8 +145,6 @@ def check_engine(name, config):
   timing = profile.time_decode(parallel, 2, position=8, steps=2, repeats=1)
   check(timing["step_us"] > 0, f"{name}: time_decode on the split engine")
   check(profile.time_prefill(parallel, 2, 12, repeats=1) > 0, f"{name}: time_prefill")
-  check(profile.time_device_loop(parallel, 2, position=8, repeats=1) > 0,
-        f"{name}: time_device_loop")
 
   # The Pallas attention kernels (interpreted on CPU) run per device inside shard_map.
   if DEVICES == 2:

@@ -1,4 +1,4 @@
-"""Engine: buckets, ahead-of-time warmup, sampling, streaming, device loop, validation."""
+"""Engine: buckets, ahead-of-time warmup, sampling, streaming, validation."""
 
 import dataclasses
 import math
@@ -14,14 +14,13 @@ from cg_jax.executables import PHASES, ExecutableTable
 from cg_jax.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
 
-ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32),
-                      decode_loop_steps=4)
+ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32))
 
 
 @pytest.fixture(scope="module")
 def engine():
   engine = Engine.from_pretrained("tiny-llama", **ENGINE_OPTIONS)
-  engine.warmup(phases=PHASES, progress=False)  # the static path's too (device_loop=True)
+  engine.warmup(phases=PHASES, progress=False)
   return engine
 
 
@@ -79,7 +78,7 @@ def test_no_compiles_after_warmup(engine):
         _prompts(int(rng.integers(1 << 30)), sizes), max_new_tokens=min(max_new, 6),
         do_sample=sample, temperature=float(rng.uniform(0, 2)), top_k=int(rng.integers(0, 5)),
         top_p=float(rng.uniform(0.1, 1.0)), seed=int(rng.integers(1 << 31)),
-        device_loop=bool(rng.integers(0, 2)), eos_token_id=[int(rng.integers(0, 263))])
+        eos_token_id=[int(rng.integers(0, 263))])
   assert compile_stats.compile_count() == before
   assert engine.stats()["compiles_since_warmup"] == 0
   assert engine.stats()["executables"] == len(engine.executable_keys(phases=PHASES))
@@ -108,7 +107,6 @@ def test_same_seed_same_samples_and_batch_invariance(engine):
   kwargs = dict(max_new_tokens=10, do_sample=True, temperature=1.5, seed=1234, eos_token_id=[])
   first = engine.generate(prompts, **kwargs)
   assert engine.generate(prompts, **kwargs) == first
-  assert engine.generate(prompts, **kwargs, device_loop=True) == first
   # Row 0 of a one-row request uses the same key as row 0 of the batch.
   assert engine.generate(prompts[:1], **kwargs)[0] == first[0]
   assert engine.generate(prompts, **{**kwargs, "seed": 99}) != first
@@ -150,30 +148,27 @@ def test_eos_stops_each_row(engine):
   prompts = _prompts(5, [3, 8, 13])
   free = engine.generate(prompts, max_new_tokens=10, eos_token_id=[])
   eos = free[1][3]  # the 4th token of row 1 becomes the EOS id
-  for device_loop in (False, True):
-    stopped = engine.generate(prompts, max_new_tokens=10, eos_token_id=[eos, 262],
-                              device_loop=device_loop)
-    for row_free, row in zip(free, stopped):
-      cut = row_free.index(eos) + 1 if eos in row_free else len(row_free)
-      assert row == row_free[:cut]
-    assert stopped[1][-1] == eos and len(stopped[1]) <= 4
+  stopped = engine.generate(prompts, max_new_tokens=10, eos_token_id=[eos, 262])
+  for row_free, row in zip(free, stopped):
+    cut = row_free.index(eos) + 1 if eos in row_free else len(row_free)
+    assert row == row_free[:cut]
+  assert stopped[1][-1] == eos and len(stopped[1]) <= 4
 
 
 def test_stream_yields_the_generated_tokens(engine):
   prompts = _prompts(6, [7, 2])
   expected = engine.generate(prompts, max_new_tokens=9, eos_token_id=[])
-  for device_loop in (False, True):
-    collected = [[], []]
-    steps = []
-    for chunk in engine.stream(prompts, max_new_tokens=9, eos_token_id=[], device_loop=device_loop):
-      steps.append(chunk.step)
-      for row, token in chunk.tokens.items():
-        collected[row].append(token)
-    assert collected == list(expected)
-    # One chunk per engine step that gave the call tokens: the static path's rows move in
-    # lock-step; the scheduler's rows start when their own prompts are in.
-    assert steps == list(range(len(steps)))
-    assert len(steps) == 9 if device_loop else len(steps) >= 9
+  collected = [[], []]
+  steps = []
+  for chunk in engine.stream(prompts, max_new_tokens=9, eos_token_id=[]):
+    steps.append(chunk.step)
+    for row, token in chunk.tokens.items():
+      collected[row].append(token)
+  assert collected == list(expected)
+  # One chunk per engine step that gave the call tokens (rows start when their own prompts
+  # are in).
+  assert steps == list(range(len(steps)))
+  assert len(steps) >= 9
 
 
 def test_stats_are_reported(engine):
@@ -197,8 +192,6 @@ BAD_REQUESTS = [
     (dict(inputs=np.zeros((2, 3), np.float32)), TypeError, "must hold integers"),
     (dict(inputs=[1, 2, 3]), ValueError, "rank 2"),
     (dict(inputs=np.zeros((1, 2, 3), np.int32)), ValueError, "rank 2"),
-    (dict(inputs=[[1] * 33], device_loop=True), ValueError,
-     "33 tokens; the largest prompt-length bucket is 32"),
     (dict(inputs=[[1] * 30], max_new_tokens=35), ValueError, "exceeds the context of 64.*1..34"),
     (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1, got 0"),
     (dict(max_new_tokens=2.5), TypeError, "max_new_tokens must be an int"),
@@ -259,7 +252,7 @@ def test_kv_cache_too_large_fails_at_construction():
     (dict(attention="flash"), "attention must be one of"),
     (dict(prompt_buckets=(16, 64), max_seq_len=64), "must be < max_seq_len"),
     (dict(batch_buckets=()), "batch_sizes must be a non-empty"),
-    (dict(decode_loop_steps=0), "decode_loop_steps"),
+    (dict(prefill_gemm="triton"), r"prefill_gemm must be one of \('xla', 'cublas'\), got 'triton'"),
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(min_matmul_rows=0), r"min_matmul_rows must be an int in \[1, 64\], got 0"),
     (dict(min_matmul_rows=2.0), "min_matmul_rows must be an int"),
@@ -273,8 +266,8 @@ def test_bad_engine_options(options, match):
 
 
 def test_padded_matmul_rows_give_the_same_tokens(engine):
-  """min_matmul_rows pads the decode step's rows (host loop and device loop) without changing
-  a token: unpadded (1) against the default (8) and 16."""
+  """min_matmul_rows pads the decode step's rows without changing a token: unpadded (1)
+  against the default (8) and 16."""
   prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
   assert engine.stats()["min_matmul_rows"] == 8
   expected = engine.with_options(min_matmul_rows=1).generate(prompts, max_new_tokens=12,
@@ -283,13 +276,13 @@ def test_padded_matmul_rows_give_the_same_tokens(engine):
   padded = engine.with_options(min_matmul_rows=16)
   assert padded.stats()["min_matmul_rows"] == 16
   assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
-  assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[], device_loop=True) == expected
 
 
 @pytest.mark.parametrize("options, match", [
     (dict(linear="pallas"), r"Engine\(\) got unexpected keyword argument\(s\): 'linear'"),
     (dict(max_model_len=64), r"'max_model_len' \(use max_seq_len\)"),
     (dict(torch_dtype="bfloat16"), r"'torch_dtype' \(use dtype\)"),
+    (dict(decode_loop_steps=4), r"'decode_loop_steps' \(removed with the device loop"),
 ])
 def test_unknown_engine_options_are_named(options, match):
   with pytest.raises(TypeError, match=match):

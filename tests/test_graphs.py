@@ -19,9 +19,8 @@ def test_greedy_tokens_identical_across_modes_and_layer_loops(model):
     for mode in GRAPH_MODES:
       engine = base.with_options(graphs=mode, layer_loop=layer_loop)
       assert engine.stats()["xla_options"] == GRAPH_MODES[mode]
-      for device_loop in (False, True):
-        assert engine.generate(prompts, max_new_tokens=10, eos_token_id=[],
-                               device_loop=device_loop) == reference, (layer_loop, mode)
+      assert engine.generate(prompts, max_new_tokens=10, eos_token_id=[]) == reference, (
+          layer_loop, mode)
 
 
 def test_graph_mode_options():
@@ -88,18 +87,16 @@ def test_parse_synthetic_trace():
 
 def test_profile_and_timing_run_on_cpu():
   engine = Engine.from_pretrained("tiny-llama", batch_buckets=(1,), prompt_buckets=(16,),
-                                  max_seq_len=64, decode_loop_steps=4)
+                                  max_seq_len=64)
   report, path = profile.profile_decode(engine, 1, position=20, steps=3)
   assert os.path.exists(path)
   assert report.steps == 3 and report.graph_launches_per_step == 0  # no GPU here
   timing = profile.time_decode(engine, 1, position=20, steps=4, repeats=2)
   assert timing["step_us"] > 0 and timing["host_dispatch_wall_us"] > 0
-  assert profile.time_device_loop(engine, 1, position=20, repeats=2) > 0
-  assert profile.device_loop_dispatch_us(engine, 1, position=20, repeats=2) > 0
   assert profile.time_prefill(engine, 1, 12, repeats=2) > 0
   # The engine still generates correctly after the profiling runs overwrote its cache.
   fresh = Engine.from_pretrained("tiny-llama", batch_buckets=(1,), prompt_buckets=(16,),
-                                 max_seq_len=64, decode_loop_steps=4)
+                                 max_seq_len=64)
   prompt = [[3, 4, 5]]
   assert engine.generate(prompt, 8, eos_token_id=[]) == fresh.generate(prompt, 8, eos_token_id=[])
   with pytest.raises(ValueError, match="position must be"):

@@ -47,12 +47,10 @@ def test_stop_strings_cut_the_text_and_end_the_row(engine):
     assert result[1] == free[1]
 
 
-@pytest.mark.parametrize("device_loop", [False, True])
-def test_stream_never_shows_the_stop_string(engine, device_loop):
+def test_stream_never_shows_the_stop_string(engine):
   free = engine.generate([PROMPT], max_new_tokens=40, eos_token_id=[])
   stop, before = _stop_inside(engine, free[0])
-  chunks = list(engine.stream([PROMPT], max_new_tokens=40, eos_token_id=[], stop=stop,
-                              device_loop=device_loop))
+  chunks = list(engine.stream([PROMPT], max_new_tokens=40, eos_token_id=[], stop=stop))
   shown = "".join(c.texts.get(0, "") for c in chunks)
   assert shown == before
   tokens = [c.tokens[0] for c in chunks if 0 in c.tokens]
@@ -104,6 +102,7 @@ def test_stop_strings_need_a_tokenizer():
 @pytest.mark.parametrize("name, hint", [
     ("max_length", "use max_new_tokens"), ("num_beams", "beam search is not supported"),
     ("stop_strings", "use stop"), ("repetition_penalty", "repetition penalties are not"),
+    ("device_loop", "removed: it was slower than the pipelined host loop"),
 ])
 def test_transformers_names_say_what_to_use(engine, name, hint):
   with pytest.raises(TypeError, match=rf"generate\(\) got unexpected keyword argument\(s\): "

@@ -314,7 +314,5 @@ def test_prompt_scores_match_the_reference(engine):
 def test_bad_logprobs_are_refused(engine):
   with pytest.raises(ValueError, match=r"logprobs must be None or an int in \[0, 20\], got 21"):
     engine.submit([3, 4], 2, logprobs=21)
-  with pytest.raises(ValueError, match="logprobs needs device_loop=False"):
-    engine.validate([[3, 4]], 2, logprobs=1, device_loop=True)
   with pytest.raises(ValueError, match="at most 16 tokens"):
     engine.score(list(range(2, 30)))

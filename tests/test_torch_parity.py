@@ -75,14 +75,12 @@ def test_greedy_matches_hf_generate(variant):
   prompts = [rng.integers(2, model.config.vocab_size, (n,)).tolist() for n in (7, 45, 20)]
   engine = engine_for(model)
   ours = engine.generate(prompts, max_new_tokens=32, eos_token_id=[])
-  looped = engine.generate(prompts, max_new_tokens=32, eos_token_id=[], device_loop=True)
-  for prompt, row, row_loop in zip(prompts, ours, looped):
+  for prompt, row in zip(prompts, ours):
     with torch.no_grad():
       out = model.generate(torch.as_tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                            max_new_tokens=32, do_sample=False)
     expected = out[0, len(prompt):].tolist()
     assert row == expected
-    assert row_loop == expected
 
 
 def test_saved_checkpoint_matches_pytorch(tmp_path):
