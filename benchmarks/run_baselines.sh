@@ -12,7 +12,7 @@
 # the script goes on. All rows are then collected in OUT_DIR/baselines.json and a table printed.
 #
 # Environment (all optional): MODELS (comma list, default all), SYSTEMS (comma list, default
-# all five), BATCHES (default 1,8,32), PYTHON (default python3), CKPT_DIR, RUN_TIMEOUT_S (per
+# all six), BATCHES (default 1,8,32), PYTHON (default python3), CKPT_DIR, RUN_TIMEOUT_S (per
 # process, default 1800), LONG_RUNS (0 skips the long-cache runs, `only` runs
 # just them), EXTRA_ARGS (appended to every torch_baselines.py call). Runs add up:
 # splitting the work over several calls with different MODELS/SYSTEMS and the same OUT_DIR
@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON=${PYTHON:-python3}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-1800}
-SYSTEMS=${SYSTEMS:-torch_eager,torch_cuda_graph,torch_compile,hf_dynamic,hf_static}
+SYSTEMS=${SYSTEMS:-torch_eager,torch_cuda_graph,torch_compile,torch_gptfast,hf_dynamic,hf_static}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 
 if (( SMOKE )); then

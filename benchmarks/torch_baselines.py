@@ -15,6 +15,16 @@ of a cache `--max-len` long, plus the time to first token (TTFT) of a `--positio
                     fullgraph=True) over the static-cache step (CUDA graphs via Inductor's
                     cudagraph trees); compile time reported apart from steady state. Prefill is
                     compiled too (fullgraph, default mode) for its TTFT.
+  torch_gptfast     a decoder written out in this file in the style of gpt-fast (no transformers
+                    module; the same config.json and safetensors): GPT-2 (LayerNorm, learned
+                    positions, GELU-tanh) or Llama (RMSNorm, RoPE with the checkpoint's theta and
+                    llama3 scaling, GQA, SwiGLU), a zeroed static K/V cache [B, K, T, hd] written
+                    with index_copy_, scaled_dot_product_attention (decode: masked to the valid
+                    prefix); the decode step torch.compile(mode="reduce-overhead",
+                    fullgraph=True), the prefill torch.compile(fullgraph=True, dynamic=False);
+                    Inductor's coordinate-descent tuning on, as gpt-fast sets it. Checked against
+                    torch_eager as torch_cuda_graph is (asserted). On a CPU it runs eagerly
+                    (`eager_fallback`) unless --gptfast-compile on.
   hf_dynamic        model.generate(greedy, min_new_tokens = max_new_tokens = N), DynamicCache.
   hf_static         the same with cache_implementation="static" (max_cache_len = --max-len). On
                     CUDA, transformers compiles the decode forward itself (its auto-compile).
@@ -26,13 +36,13 @@ medians over `--repeats` samples after `--warmup` untimed ones. Rows (one per sy
 are appended to the `--out` JSON list; a short table is printed last. Besides step_us and
 tokens_per_s (= batch / step): ttft_ms is the prefill forward (last position's logits only) and
 its argmax on the device, no host read-back (eager for torch_eager / torch_cuda_graph, compiled
-for torch_compile); host_dispatch_us is the host time to issue one step into an empty queue;
-kernels_per_step, graph_launches_per_step and launches_outside_graphs_per_step come from a
-torch.profiler trace of a few steps (GPU only); compile_s is a cold compile (Inductor's caches
-are off unless --warm-compile-cache). Each row also records the greedy-token and max relative
-logits / K/V differences from torch_eager over the steps computed from equal inputs (asserted for
-torch_cuda_graph only; with random weights near ties are common, and a divergence is accepted
-only at a near tie).
+for torch_compile and torch_gptfast); host_dispatch_us is the host time to issue one step into
+an empty queue; kernels_per_step, graph_launches_per_step and launches_outside_graphs_per_step
+come from a torch.profiler trace of a few steps (GPU only); compile_s is a cold compile
+(Inductor's caches are off unless --warm-compile-cache). Each row also records the greedy-token
+and max relative logits / K/V differences from torch_eager over the steps computed from equal
+inputs (asserted for torch_cuda_graph and torch_gptfast only; with random weights near ties are
+common, and a divergence is accepted only at a near tie).
 
   PYTHONPATH=$PWD python3 benchmarks/torch_baselines.py --system torch_cuda_graph \
       --model-dir /tmp/cg_jax_ckpt/llama-3.2-1b --batches 1,8,32 --position 512 --max-len 1024 \
@@ -49,10 +59,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import gc
 import inspect
 import json
+import math
 import os
 import statistics
 import sys
@@ -66,8 +78,9 @@ from transformers import AutoModelForCausalLM, StaticCache
 
 from bench_util import git_commit
 
-SYSTEMS = ("torch_eager", "torch_cuda_graph", "torch_compile", "hf_dynamic", "hf_static")
-DECODE_SYSTEMS = ("torch_eager", "torch_cuda_graph", "torch_compile")
+SYSTEMS = ("torch_eager", "torch_cuda_graph", "torch_compile", "torch_gptfast", "hf_dynamic",
+           "hf_static")
+DECODE_SYSTEMS = ("torch_eager", "torch_cuda_graph", "torch_compile", "torch_gptfast")
 
 # Full-run defaults, then the --smoke overrides (tiny shapes, few steps, on the CPU).
 DEFAULTS = dict(position=512, max_len=1024, steps=32, repeats=20, warmup=5, new_tokens=64,
@@ -413,11 +426,13 @@ def compare_to_eager(reference: list, reference_kv: torch.Tensor, candidate: lis
 
 def check_against_float32(check: dict, reference: list, reference_kv: torch.Tensor,
                           candidate: list, candidate_kv: torch.Tensor,
-                          exact_logits: list[torch.Tensor], exact_kv: torch.Tensor) -> dict:
+                          exact_logits: list[torch.Tensor], exact_kv: torch.Tensor,
+                          system: str = "torch_cuda_graph") -> dict:
   """Asserts that a candidate loop that differs from eager (`check`, from `compare_to_eager`) is
   as accurate as eager against float32 (`float32_reference` of the steps computed from equal
   inputs): its logits' and written K/V's max relative error at most 1.25x eager's (or the graph
-  tolerance). Returns the four errors."""
+  tolerance). Returns the four errors (the candidate's under `*_graph`); `system` names the
+  candidate in the assertion."""
   divergent = check["first_divergent_step"]
   equal = len(exact_logits)
   errors = {
@@ -432,11 +447,450 @@ def check_against_float32(check: dict, reference: list, reference_kv: torch.Tens
     print(f"  {quantity} against float32: eager {error['eager']:.2e}, graph {error['graph']:.2e}",
           flush=True)
     assert error["graph"] <= max(GRAPH_RELATIVE_TOLERANCE, 1.25 * error["eager"]), (
-        f"torch_cuda_graph: {quantity} differ from torch_eager by "
+        f"{system}: {quantity} differ from torch_eager by "
         f"{check[f'{quantity}_max_rel_diff']:.2e} of their max (greedy tokens "
         f"{'identical' if divergent is None else f'diverge at step {divergent}'}), and from "
         f"float32 by {error['graph']:.2e} (eager: {error['eager']:.2e})")
   return result
+
+
+def check_like_graph(system: str, model, prompt: torch.Tensor, first_tokens: torch.Tensor, args,
+                     reference: list, reference_kv: torch.Tensor, candidate: list,
+                     candidate_kv: Callable[[int, int], torch.Tensor], what: str) -> dict:
+  """torch_cuda_graph's check of a candidate loop against torch_eager (both run --check-steps
+  steps from `first_tokens` at --position); returns the row's check fields, raises
+  AssertionError on a failure. `candidate_kv(start, steps)` is the candidate's `written_kv`.
+
+  Rule: the candidate passes when its logits and K/V are within GRAPH_RELATIVE_TOLERANCE of
+  eager's and any token divergence is at a near tie (`compare_to_eager`). Otherwise two
+  low-precision loops may have rounded apart over many layers (cuBLAS can pick other algorithms
+  under capture, another implementation orders its sums differently), and a token may then flip
+  where eager's top-2 gap is wider than the tolerance allows: the candidate must then be as
+  accurate as eager against a float32 run of the steps computed from equal inputs (logits and
+  written K/V, within 25%), or it fails.
+  """
+  check = compare_to_eager(reference, reference_kv, candidate,
+                           candidate_kv(args.position, args.check_steps), what)
+  result = dict(check)
+  if (check["logits_max_rel_diff"] > GRAPH_RELATIVE_TOLERANCE
+      or check["kv_max_rel_diff"] > GRAPH_RELATIVE_TOLERANCE
+      or not check["divergence_at_near_tie"]):
+    divergent = check["first_divergent_step"]
+    equal = (len(reference) - 1 if divergent is None else divergent) + 1
+    exact_logits, exact_kv = float32_reference(model, prompt, first_tokens, args.position,
+                                               args.max_len, reference[:equal])
+    result.update(check_against_float32(
+        check, reference, reference_kv, candidate, candidate_kv(args.position, equal),
+        exact_logits, exact_kv, system=system))
+  return result
+
+
+def measure_loop(loop, args, device: torch.device) -> dict:
+  """A decode loop's (EagerLoop, GraphLoop or GptFastLoop) step_us (median of --repeats samples
+  of --steps back-to-back steps, each from the loop's start state), host_dispatch_us and, on
+  the GPU unless --no-profile, the profiler's kernel and launch counts per step."""
+  steps_ms = median_ms(device, lambda: loop.run(args.steps), args.repeats, warmup=args.warmup,
+                       reset=loop.reset)
+  result = dict(step_us=steps_ms * 1e3 / args.steps,
+                host_dispatch_us=host_dispatch_us(device, lambda: loop.run(1), args.repeats,
+                                                  reset=loop.reset))
+  if device.type == "cuda" and not args.no_profile:
+    try:
+      result.update(profile_launches(device, loop.run, args.profile_steps, reset=loop.reset))
+    except Exception as error:  # the profiler is optional; the timing stands without it
+      print(f"  profiler failed ({type(error).__name__}: {error}); kernel counts left null")
+  return result
+
+
+# ------------------------------------------------------------------------------------------------
+# torch_gptfast: a hand-written decoder in the style of gpt-fast (pytorch-labs/gpt-fast)
+
+
+@dataclasses.dataclass(frozen=True)
+class GptFastSpec:
+  """The shapes and options of one checkpoint, read from its config.json (`from_config`).
+
+  Families: `gpt2` = LayerNorm, learned positions, fused QKV and MLP with biases, GELU-tanh;
+  `llama` = RMSNorm, RoPE (HF's rotate-half pairing), grouped-query attention, SwiGLU, no biases.
+  A config key left out takes the default of transformers' config class. An option this
+  implementation does not have (another activation, Llama biases, another RoPE type, GPT-2's
+  per-layer attention scaling) is refused, never ignored.
+  """
+
+  family: str
+  vocab_size: int
+  dim: int
+  layers: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  intermediate: int
+  norm_eps: float
+  max_positions: int
+  tied: bool  # the output head is the token embedding (else lm_head.weight)
+  rope_theta: float = 10000.0
+  rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...}; None: plain RoPE
+
+  @staticmethod
+  def from_config(config: dict) -> "GptFastSpec":
+    model_type = config.get("model_type")
+    if model_type == "gpt2":
+      expected = dict(activation_function=("gelu_new", "gelu_pytorch_tanh"),
+                      scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
+                      reorder_and_upcast_attn=(False,), add_cross_attention=(False,))
+      defaults = dict(activation_function="gelu_new", scale_attn_weights=True)
+      _refuse_unsupported(config, expected, defaults)
+      dim, heads = config["n_embd"], config["n_head"]
+      return GptFastSpec(family="gpt2", vocab_size=config["vocab_size"], dim=dim,
+                         layers=config["n_layer"], heads=heads, kv_heads=heads,
+                         head_dim=dim // heads, intermediate=config.get("n_inner") or 4 * dim,
+                         norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                         max_positions=config.get("n_positions", 1024),
+                         tied=config.get("tie_word_embeddings", True))
+    if model_type == "llama":
+      expected = dict(hidden_act=("silu",), attention_bias=(False,), mlp_bias=(False,))
+      _refuse_unsupported(config, expected, dict(hidden_act="silu"))
+      dim, heads = config["hidden_size"], config["num_attention_heads"]
+      theta, scaling = _rope_settings(config)
+      return GptFastSpec(family="llama", vocab_size=config["vocab_size"], dim=dim,
+                         layers=config["num_hidden_layers"], heads=heads,
+                         kv_heads=config.get("num_key_value_heads") or heads,
+                         head_dim=config.get("head_dim") or dim // heads,
+                         intermediate=config["intermediate_size"],
+                         norm_eps=config.get("rms_norm_eps", 1e-6),
+                         max_positions=config.get("max_position_embeddings", 2048),
+                         tied=config.get("tie_word_embeddings", False), rope_theta=theta,
+                         rope_scaling=scaling)
+    raise ValueError(f"torch_gptfast: model_type {model_type!r} is neither gpt2 nor llama")
+
+
+def _refuse_unsupported(config: dict, expected: dict, defaults: dict) -> None:
+  """Raises unless every key of `expected` (absent: `defaults`' value, else the first allowed
+  value) holds one of its allowed values."""
+  for key, allowed in expected.items():
+    value = config.get(key, defaults.get(key, allowed[0]))
+    if value not in allowed:
+      raise ValueError(f"torch_gptfast: {key}={value!r} is not implemented (only {allowed})")
+
+
+def _rope_settings(config: dict) -> tuple[float, dict | None]:
+  """(theta, scaling) of a Llama config. transformers 5 writes `rope_parameters` (theta inside);
+  4.x wrote `rope_theta` beside `rope_scaling`. Scaling is None for plain RoPE."""
+  parameters = config.get("rope_parameters")
+  if parameters is None:
+    parameters = dict(config.get("rope_scaling") or {})
+    parameters.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+  rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+  if rope_type not in ("default", "linear", "llama3"):
+    raise ValueError(f"torch_gptfast: rope_type {rope_type!r} is not implemented")
+  scaling = None if rope_type == "default" else dict(parameters, rope_type=rope_type)
+  return float(parameters.get("rope_theta", 10000.0)), scaling
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+  """float32 [head_dim // 2]: theta^(-2i / head_dim) for pair i, then scaled.
+
+  linear: every frequency / factor. llama3 (Llama 3.1's rule): with r = original context length
+  / wavelength (wavelength = 2 pi / frequency) and s = (r - low_freq_factor) /
+  (high_freq_factor - low_freq_factor) clamped to [0, 1], the frequency becomes
+  (1 - s) * f / factor + s * f: slow pairs (r <= low) are divided by factor, fast ones
+  (r >= high) kept, and those between interpolated.
+  """
+  exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+  frequencies = 1.0 / theta ** exponents
+  if scaling is None:
+    return frequencies
+  factor = float(scaling["factor"])
+  if scaling["rope_type"] == "linear":
+    return frequencies / factor
+  low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+  periods = float(scaling["original_max_position_embeddings"]) * frequencies / (2 * math.pi)
+  blend = ((periods - low) / (high - low)).clamp(0.0, 1.0)
+  return (1.0 - blend) * frequencies / factor + blend * frequencies
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+  """Rotates x [B, N, S, hd] by the angles of its positions: cos, sin [S, hd] (each pair's angle
+  twice, halves layout: element j pairs with j + hd / 2, as HF's Llama checkpoints expect)."""
+  half = x.shape[-1] // 2
+  # [B, N, S, hd]: (-x2, x1), the quarter-turn of each (x1, x2) pair.
+  turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+  return x * cos + turned * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+  """x / rms(x) * weight over the last axis, the statistics in float32 (as HF's Llama)."""
+  x32 = x.float()
+  x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+  return weight * x32.to(x.dtype)
+
+
+def gptfast_weights(spec: GptFastSpec, tensors: dict[str, torch.Tensor]
+                    ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+  """HF checkpoint tensors -> (model-level weights, one dict per layer), every matrix in
+  F.linear's [out, in] layout. GPT-2's Conv1D weights are stored [in, out] and are transposed;
+  Llama's q/k/v projections are concatenated into one `qkv` [(H + 2K) hd, D] (one matmul, as
+  gpt-fast's wqkv). Names: embedding, positions (GPT-2), final_norm(_bias), head (untied only);
+  per layer attn_norm(_bias), qkv(_bias), out(_bias), mlp_norm(_bias), up(_bias), gate (Llama),
+  down(_bias)."""
+  def conv1d(name):  # GPT-2 Conv1D [in, out] -> [out, in]
+    return tensors[name].t().contiguous()
+
+  layers = []
+  if spec.family == "gpt2":
+    top = dict(embedding=tensors["transformer.wte.weight"],
+               positions=tensors["transformer.wpe.weight"],
+               final_norm=tensors["transformer.ln_f.weight"],
+               final_norm_bias=tensors["transformer.ln_f.bias"])
+    for i in range(spec.layers):
+      p = f"transformer.h.{i}."
+      layers.append(dict(
+          attn_norm=tensors[p + "ln_1.weight"], attn_norm_bias=tensors[p + "ln_1.bias"],
+          qkv=conv1d(p + "attn.c_attn.weight"), qkv_bias=tensors[p + "attn.c_attn.bias"],
+          out=conv1d(p + "attn.c_proj.weight"), out_bias=tensors[p + "attn.c_proj.bias"],
+          mlp_norm=tensors[p + "ln_2.weight"], mlp_norm_bias=tensors[p + "ln_2.bias"],
+          up=conv1d(p + "mlp.c_fc.weight"), up_bias=tensors[p + "mlp.c_fc.bias"],
+          down=conv1d(p + "mlp.c_proj.weight"), down_bias=tensors[p + "mlp.c_proj.bias"]))
+  else:
+    top = dict(embedding=tensors["model.embed_tokens.weight"],
+               final_norm=tensors["model.norm.weight"])
+    for i in range(spec.layers):
+      p = f"model.layers.{i}."
+      qkv = torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
+      layers.append(dict(
+          attn_norm=tensors[p + "input_layernorm.weight"], qkv=qkv,
+          out=tensors[p + "self_attn.o_proj.weight"],
+          mlp_norm=tensors[p + "post_attention_layernorm.weight"],
+          gate=tensors[p + "mlp.gate_proj.weight"], up=tensors[p + "mlp.up_proj.weight"],
+          down=tensors[p + "mlp.down_proj.weight"]))
+  if not spec.tied:
+    top["head"] = tensors["lm_head.weight"]
+  return top, layers
+
+
+def read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
+  """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
+  from safetensors.torch import load_file
+  index = os.path.join(model_dir, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  else:
+    files = ["model.safetensors"]
+  tensors = {}
+  for file in files:
+    tensors.update(load_file(os.path.join(model_dir, file)))
+  return tensors
+
+
+class GptFastLayer(torch.nn.Module):
+  """One decoder layer: its weights (parameters, absent biases None) and, after
+  `GptFastDecoder.setup_caches`, its K/V cache buffers k_cache, v_cache [B, K, T, hd]."""
+
+  def __init__(self, weights: dict[str, torch.Tensor]):
+    super().__init__()
+    for name in ("attn_norm", "attn_norm_bias", "qkv", "qkv_bias", "out", "out_bias", "mlp_norm",
+                 "mlp_norm_bias", "gate", "up", "up_bias", "down", "down_bias"):
+      value = weights.get(name)
+      self.register_parameter(
+          name, None if value is None else torch.nn.Parameter(value, requires_grad=False))
+    self.register_buffer("k_cache", None, persistent=False)
+    self.register_buffer("v_cache", None, persistent=False)
+
+
+class GptFastDecoder(torch.nn.Module):
+  """A GPT-2 or Llama decoder written out with torch ops (no transformers module) over a static
+  K/V cache, gpt-fast's design.
+
+  Rules: every row of the batch is at the same positions (`input_pos` [S], shared); K/V of the S
+  positions are written into cache slots input_pos with index_copy_; a prefill is a prompt from
+  position 0 and attends causally among its own tokens; a decode step at position p attends to
+  cache slots 0..p only (slots past p hold stale K/V of earlier runs and are masked out). Queries
+  that share a K/V head are folded into one head's rows for the decode attention (the same
+  result as scaled_dot_product_attention(enable_gqa=True), with no backend repeating K/V).
+  """
+
+  def __init__(self, spec: GptFastSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+               device: torch.device):
+    super().__init__()
+    if spec.heads % spec.kv_heads:
+      raise ValueError(f"torch_gptfast: {spec.heads} heads are not a multiple of "
+                       f"{spec.kv_heads} K/V heads")
+    self.spec = spec
+    self.group = spec.heads // spec.kv_heads
+    top, layers = gptfast_weights(spec, tensors)
+
+    def parameter(tensor):
+      return torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+
+    self.embedding = parameter(top["embedding"])
+    self.positions = parameter(top["positions"]) if "positions" in top else None
+    self.final_norm = parameter(top["final_norm"])
+    self.final_norm_bias = parameter(top["final_norm_bias"]) if spec.family == "gpt2" else None
+    self.head = self.embedding if spec.tied else parameter(top["head"])
+    self.layers = torch.nn.ModuleList(
+        GptFastLayer({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
+        for weights in layers)
+    for name in ("slots", "rope_cos", "rope_sin"):  # set by setup_caches
+      self.register_buffer(name, None, persistent=False)
+    self.batch = self.max_len = None
+
+  @property
+  def device(self) -> torch.device:
+    return self.embedding.device
+
+  def setup_caches(self, batch: int, max_len: int) -> None:
+    """Preallocates zeroed K/V caches [batch, K, max_len, hd] per layer (replacing earlier ones),
+    the slot indices [max_len] of the decode mask and, for Llama, the RoPE cos/sin tables
+    [max_len, hd] (angles in float32, then the model dtype, as HF rounds them)."""
+    spec, dtype, device = self.spec, self.embedding.dtype, self.device
+    if spec.family == "gpt2" and max_len > spec.max_positions:
+      raise ValueError(f"torch_gptfast: a {max_len}-slot cache needs more than the "
+                       f"checkpoint's {spec.max_positions} learned positions")
+    self.batch, self.max_len = batch, max_len
+    shape = (batch, spec.kv_heads, max_len, spec.head_dim)
+    for layer in self.layers:
+      for name in ("k_cache", "v_cache"):
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(cache)  # cudagraphs: written in place, never copied
+        layer.register_buffer(name, cache, persistent=False)
+    self.register_buffer("slots", torch.arange(max_len, device=device), persistent=False)
+    if spec.family == "llama":
+      frequencies = rope_inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+      # [T, hd / 2] angles; each pair's angle twice (halves layout) -> [T, hd].
+      angles = torch.outer(torch.arange(max_len, dtype=torch.float32), frequencies)
+      angles = torch.cat((angles, angles), dim=-1)
+      self.register_buffer("rope_cos", angles.cos().to(device=device, dtype=dtype),
+                           persistent=False)
+      self.register_buffer("rope_sin", angles.sin().to(device=device, dtype=dtype),
+                           persistent=False)
+
+  def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+            ) -> torch.Tensor:
+    if self.spec.family == "gpt2":
+      return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, self.spec.norm_eps)
+    return rms_norm(x, weight, self.spec.norm_eps)
+
+  def _attention(self, layer: GptFastLayer, x: torch.Tensor, input_pos: torch.Tensor,
+                 rope: tuple | None, visible: torch.Tensor | None) -> torch.Tensor:
+    """x [B, S, D] at positions input_pos [S] -> attention output [B, S, D]; writes K/V.
+    `visible` [G * S, T] (decode) masks the cache; None means a prefill from position 0."""
+    spec, sdpa = self.spec, torch.nn.functional.scaled_dot_product_attention
+    batch, length, _ = x.shape
+    heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
+    # [B, S, (H + 2K) hd] -> q [B, S, H hd], k and v [B, S, K hd]
+    q, k, v = torch.nn.functional.linear(x, layer.qkv, layer.qkv_bias).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    # [B, S, N hd] -> [B, N, S, hd]
+    q = q.view(batch, length, heads, head_dim).transpose(1, 2)
+    k = k.view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    if rope is not None:
+      q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    # cache [B, K, T, hd]: slots input_pos along T get this call's [B, K, S, hd].
+    layer.k_cache.index_copy_(2, input_pos, k)
+    layer.v_cache.index_copy_(2, input_pos, v)
+    if visible is None:
+      # [B, H, S, hd]: the prompt's own keys, causally (slot j visible from i iff j <= i).
+      y = sdpa(q, k, v, is_causal=True, enable_gqa=self.group > 1)
+    else:
+      # Query head h = j G + g uses K/V head j (HF's repeat_kv order): [B, H, S, hd] ->
+      # [B, K, G S, hd], row g S + s; `visible` repeats each position's mask row G times alike.
+      folded = q.reshape(batch, kv_heads, self.group * length, head_dim)
+      y = sdpa(folded, layer.k_cache, layer.v_cache, attn_mask=visible)
+      y = y.view(batch, heads, length, head_dim)
+    # [B, H, S, hd] -> [B, S, H hd] -> [B, S, D]
+    y = y.transpose(1, 2).reshape(batch, length, heads * head_dim)
+    return torch.nn.functional.linear(y, layer.out, layer.out_bias)
+
+  def _mlp(self, layer: GptFastLayer, x: torch.Tensor) -> torch.Tensor:
+    linear = torch.nn.functional.linear
+    if self.spec.family == "gpt2":
+      hidden = torch.nn.functional.gelu(linear(x, layer.up, layer.up_bias), approximate="tanh")
+    else:
+      hidden = torch.nn.functional.silu(linear(x, layer.gate)) * linear(x, layer.up)
+    return linear(hidden, layer.down, layer.down_bias)
+
+  def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, prefill: bool,
+              all_positions: bool = False) -> torch.Tensor:
+    """tokens [B, S] at positions input_pos [S] -> logits [B, V] of the last position ([B, S, V]
+    with `all_positions`), in the model dtype. `prefill`: the tokens are a prompt from position 0
+    (input_pos = 0..S-1); else each position attends to the cache slots up to itself."""
+    # [B, S, D]
+    x = torch.nn.functional.embedding(tokens, self.embedding)
+    rope = None
+    if self.positions is not None:
+      x = x + torch.nn.functional.embedding(input_pos, self.positions)  # + [S, D]
+    else:
+      rope = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [S, hd] each
+    visible = None
+    if not prefill:
+      # [S, T]: slot t visible from position p iff t <= p; -> [G S, T], row g S + s = row s.
+      visible = (self.slots[None, :] <= input_pos[:, None]).repeat(self.group, 1)
+    for layer in self.layers:
+      x = x + self._attention(layer, self._norm(x, layer.attn_norm, layer.attn_norm_bias),
+                              input_pos, rope, visible)
+      x = x + self._mlp(layer, self._norm(x, layer.mlp_norm, layer.mlp_norm_bias))
+    if not all_positions:
+      x = x[:, -1]  # [B, D]
+    x = self._norm(x, self.final_norm, self.final_norm_bias)
+    return torch.nn.functional.linear(x, self.head)
+
+  def written_kv(self, start: int, steps: int) -> torch.Tensor:
+    """float32 copy of every layer's K and V at positions [start, start + steps), laid out as
+    `written_kv` lays out a StaticDecoder's: [2 x layers, B, K, steps, hd]."""
+    return torch.stack([cache[:, :, start:start + steps].float() for layer in self.layers
+                        for cache in (layer.k_cache, layer.v_cache)])
+
+
+def load_gptfast(model_dir: str, dtype: torch.dtype, device: torch.device) -> GptFastDecoder:
+  """The hand-written decoder of a local HF checkpoint (config.json + safetensors)."""
+  with open(os.path.join(model_dir, "config.json")) as f:
+    spec = GptFastSpec.from_config(json.load(f))
+  return GptFastDecoder(spec, read_safetensors(model_dir), dtype, device)
+
+
+def gptfast_prefill(model: GptFastDecoder, prompt: torch.Tensor) -> torch.Tensor:
+  """Prompt [B, P] into the cache from position 0 -> the greedy next tokens [B, 1] (only the
+  last position's logits are computed)."""
+  input_pos = torch.arange(prompt.shape[1], device=prompt.device)
+  return model(prompt, input_pos, prefill=True).argmax(-1, keepdim=True)
+
+
+def gptfast_decode_step(model: GptFastDecoder, tokens: torch.Tensor, input_pos: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+  """gpt-fast's decode_one_token, greedy: tokens [B, 1] at position input_pos [1] -> (next
+  tokens [B, 1], logits [B, V]); writes the step's K/V at input_pos."""
+  logits = model(tokens, input_pos, prefill=False)
+  return logits.argmax(-1, keepdim=True), logits
+
+
+class GptFastLoop:
+  """torch_gptfast's decode loop (gpt-fast's decode_n_tokens, greedy): the step's tokens are fed
+  back cloned (a cudagraph replay's outputs are overwritten by the next replay) and the shared
+  position input_pos [1] advances in place on the device. Same interface as EagerLoop."""
+
+  def __init__(self, model: GptFastDecoder, step: Callable, first_tokens: torch.Tensor,
+               position: int):
+    self.model, self.step_fn, self.first_tokens = model, step, first_tokens
+    self.position = position
+    self.input_pos = torch.full((1,), position, dtype=torch.int64, device=first_tokens.device)
+    self.reset()
+
+  def reset(self) -> None:
+    self.tokens = self.first_tokens.clone()
+    self.input_pos.fill_(self.position)
+
+  def run(self, steps: int, collect: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run `steps` steps; with `collect`, return each step's (tokens, float32 logits)."""
+    collected = []
+    for _ in range(steps):
+      tokens, logits = self.step_fn(self.model, self.tokens, self.input_pos)
+      self.tokens = tokens.clone()
+      self.input_pos += 1
+      if collect:
+        collected.append((self.tokens.clone(), logits.float().clone()))
+    return collected
 
 
 # ------------------------------------------------------------------------------------------------
@@ -444,7 +898,8 @@ def check_against_float32(check: dict, reference: list, reference_kv: torch.Tens
 
 
 def run_decode_system(system: str, model, prompt: torch.Tensor, args, device) -> dict:
-  """torch_eager / torch_cuda_graph / torch_compile for one batch; returns the row's numbers."""
+  """torch_eager / torch_cuda_graph / torch_compile for one batch; returns the row's numbers
+  (torch_gptfast: `run_gptfast_system`)."""
   batch = prompt.shape[0]
   decoder = StaticDecoder(model, batch, args.max_len)
   result: dict = {}
@@ -486,24 +941,9 @@ def run_decode_system(system: str, model, prompt: torch.Tensor, args, device) ->
     loop.reset()
     replayed = loop.run(args.check_steps, collect=True)
     what = "CUDA graph vs eager" if loop.graph is not None else "graph body (eager, CPU) vs eager"
-    check = compare_to_eager(reference, reference_kv, replayed,
-                             written_kv(decoder, args.position, args.check_steps), what)
-    result.update(check)
-    if (check["logits_max_rel_diff"] > GRAPH_RELATIVE_TOLERANCE
-        or check["kv_max_rel_diff"] > GRAPH_RELATIVE_TOLERANCE
-        or not check["divergence_at_near_tie"]):
-      # Two low-precision loops may round apart over many layers (cuBLAS can pick other
-      # algorithms under capture), and a token may then flip where eager's top-2 gap is wider
-      # than the tolerance allows. Then the graph must be as accurate as eager against a float32
-      # run of the steps computed from equal inputs (logits and written K/V, within 25%), or it
-      # fails.
-      divergent = check["first_divergent_step"]
-      equal = (len(reference) - 1 if divergent is None else divergent) + 1
-      exact_logits, exact_kv = float32_reference(model, prompt, first_tokens, args.position,
-                                                 args.max_len, reference[:equal])
-      result.update(check_against_float32(
-          check, reference, reference_kv, replayed, written_kv(decoder, args.position, equal),
-          exact_logits, exact_kv))
+    result.update(check_like_graph(
+        "torch_cuda_graph", model, prompt, first_tokens, args, reference, reference_kv, replayed,
+        lambda start, steps: written_kv(decoder, start, steps), what))
     if loop.graph is None:
       raise SkipSystem("CUDA graphs need a GPU; the graph body was checked against torch_eager "
                        "eagerly on the CPU, no time reported", result)
@@ -523,18 +963,82 @@ def run_decode_system(system: str, model, prompt: torch.Tensor, args, device) ->
                                    written_kv(decoder, args.position, args.check_steps),
                                    "torch.compile vs eager (reported, not asserted)"))
 
-  steps_ms = median_ms(device, lambda: loop.run(args.steps), args.repeats, warmup=args.warmup,
-                       reset=loop.reset)
-  result["step_us"] = steps_ms * 1e3 / args.steps
-  result["host_dispatch_us"] = host_dispatch_us(device, lambda: loop.run(1), args.repeats,
-                                                reset=loop.reset)
   if system == "torch_cuda_graph":
     result["graph_launches_per_step"] = 1
-  if device.type == "cuda" and not args.no_profile:
-    try:
-      result.update(profile_launches(device, loop.run, args.profile_steps, reset=loop.reset))
-    except Exception as error:  # the profiler is optional; the timing stands without it
-      print(f"  profiler failed ({type(error).__name__}: {error}); kernel counts left null")
+  result.update(measure_loop(loop, args, device))
+  return result
+
+
+def gptfast_compiles(args, device: torch.device) -> bool:
+  """Whether torch_gptfast compiles its prefill and decode step: --gptfast-compile on / off;
+  auto (the default) compiles on CUDA only and runs the same functions eagerly on a CPU (a
+  reduce-overhead compile there has no CUDA graphs to make and only costs test time)."""
+  if args.gptfast_compile == "auto":
+    return device.type == "cuda"
+  return args.gptfast_compile == "on"
+
+
+def run_gptfast_system(model, gptfast: GptFastDecoder, prompt: torch.Tensor, args,
+                       device: torch.device) -> dict:
+  """torch_gptfast for one batch; returns the row's numbers.
+
+  The hand-written decoder's prefill is compiled with torch.compile(fullgraph=True,
+  dynamic=False) for this prompt shape and timed as TTFT like the other decode systems' (prefill
+  plus the greedy token, on the device); its decode step with torch.compile(mode=
+  "reduce-overhead", fullgraph=True) (Inductor's CUDA graph trees), compile_s being its first
+  three calls. Decoding starts from torch_eager's first tokens at --position, and before
+  anything is timed its greedy tokens, logits and written K/V over --check-steps steps are
+  checked against torch_eager (the HF model) exactly as torch_cuda_graph's are (asserted).
+  Without compilation (`gptfast_compiles`) the same functions run eagerly, flagged
+  `eager_fallback`.
+  """
+  from torch._dynamo.utils import counters
+  batch = prompt.shape[0]
+  compiled = gptfast_compiles(args, device)
+  result: dict = dict(
+      prefill="torch.compile(fullgraph=True, dynamic=False)" if compiled else "eager",
+      decode='torch.compile(mode="reduce-overhead", fullgraph=True)' if compiled else "eager",
+      eager_fallback=not compiled)
+
+  # torch_eager's steps from the same prompt: the yardstick of the check.
+  decoder = StaticDecoder(model, batch, args.max_len)
+  first_tokens = decoder.prefill(prompt)
+  eager = EagerLoop(decoder, first_tokens, args.position)
+  reference = eager.run(args.check_steps, collect=True)
+  reference_kv = written_kv(decoder, args.position, args.check_steps)
+  del eager, decoder  # the HF cache is not needed any more
+
+  gptfast.setup_caches(batch, args.max_len)
+  torch._dynamo.reset()
+  skips_before = counters["inductor"]["cudagraph_skips"]
+  prefill, step = gptfast_prefill, gptfast_decode_step
+  if compiled:
+    compile_start = time.perf_counter()
+    prefill = torch.compile(gptfast_prefill, fullgraph=True, dynamic=False)
+    for _ in range(2):
+      prefill(gptfast, prompt)
+    synchronize(device)
+    result["prefill_compile_s"] = time.perf_counter() - compile_start
+  prefill_tokens = prefill(gptfast, prompt)
+  result["prefill_tokens_match_eager"] = bool(torch.equal(prefill_tokens, first_tokens))
+  result["ttft_ms"] = median_ms(device, lambda: prefill(gptfast, prompt), args.prefill_repeats,
+                                warmup=1)
+
+  if compiled:
+    step = torch.compile(gptfast_decode_step, mode="reduce-overhead", fullgraph=True)
+  loop = GptFastLoop(gptfast, step, first_tokens, args.position)
+  if compiled:
+    compile_start = time.perf_counter()
+    loop.run(3)  # 1: compile + warm up, 2: record the CUDA graph, 3: first replay
+    synchronize(device)
+    result["compile_s"] = time.perf_counter() - compile_start
+  loop.reset()
+  candidate = loop.run(args.check_steps, collect=True)
+  what = "torch_gptfast vs eager" + ("" if compiled else " (uncompiled)")
+  result.update(check_like_graph("torch_gptfast", model, prompt, first_tokens, args, reference,
+                                 reference_kv, candidate, gptfast.written_kv, what))
+  result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
+  result.update(measure_loop(loop, args, device))
   return result
 
 
@@ -607,6 +1111,10 @@ def parse_args(argv=None):
   parser.add_argument("--check-steps", type=int, help="decode steps compared with torch_eager")
   parser.add_argument("--profile-steps", type=int, help="decode steps under torch.profiler")
   parser.add_argument("--no-profile", action="store_true", help="skip the kernel-count profile")
+  parser.add_argument("--gptfast-compile", default="auto", choices=("auto", "on", "off"),
+                      help="torch_gptfast: compile its prefill and decode step (auto: on CUDA "
+                           "only; off, or auto on a CPU: the same functions eagerly, flagged "
+                           "eager_fallback in the row)")
   parser.add_argument("--warm-compile-cache", action="store_true",
                       help="let Inductor reuse its on-disk caches (default: disabled, so "
                            "compile_s is a cold compile)")
@@ -649,9 +1157,13 @@ def main(argv=None) -> int:
   device = torch.device(args.device)
   if args.smoke:
     torch.set_num_threads(1)  # tiny shapes: threads only add scheduling noise on a shared CPU
-  if args.system in ("torch_compile", "hf_static") and not args.warm_compile_cache:
+  gptfast_compiled = args.system == "torch_gptfast" and gptfast_compiles(args, device)
+  if args.system in ("torch_compile", "hf_static") or gptfast_compiled:
     import torch._inductor.config as inductor_config
-    inductor_config.force_disable_caches = True  # compile_s: a cold compile, every batch
+    if not args.warm_compile_cache:
+      inductor_config.force_disable_caches = True  # compile_s: a cold compile, every batch
+    if gptfast_compiled:
+      inductor_config.coordinate_descent_tuning = True  # gpt-fast's Inductor setting
   dtype = getattr(torch, args.dtype)
   model_name = os.path.basename(os.path.normpath(args.model_dir))
   batches = [int(b) for b in args.batches.split(",")]
@@ -668,6 +1180,13 @@ def main(argv=None) -> int:
                                                attn_implementation="sdpa").to(device).eval()
   print(f"  loaded in {time.perf_counter() - load_start:.1f} s "
         f"({model.num_parameters() / 1e6:.1f} M parameters)", flush=True)
+  gptfast = None
+  if args.system == "torch_gptfast":
+    load_start = time.perf_counter()
+    gptfast = load_gptfast(args.model_dir, dtype, device)
+    meta["gptfast_coordinate_descent_tuning"] = gptfast_compiled
+    print(f"  torch_gptfast: {gptfast.spec.family} decoder loaded in "
+          f"{time.perf_counter() - load_start:.1f} s", flush=True)
   vocab_size = model.config.vocab_size
   generator = torch.Generator().manual_seed(args.seed)
 
@@ -682,7 +1201,9 @@ def main(argv=None) -> int:
       row.update(steps=args.steps, repeats=args.repeats)
     try:
       with torch.no_grad():
-        if args.system in DECODE_SYSTEMS:
+        if args.system == "torch_gptfast":
+          numbers = run_gptfast_system(model, gptfast, prompt, args, device)
+        elif args.system in DECODE_SYSTEMS:
           numbers = run_decode_system(args.system, model, prompt, args, device)
         else:
           numbers = run_generate_system(args.system, model, prompt, args, device)
