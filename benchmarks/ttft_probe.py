@@ -1,0 +1,95 @@
+"""Where a `generate` call's time to first token goes beyond the prefill (issue #18): for B
+prompts of 512 tokens, the static path's prefill + greedy first token, the scheduler's
+"prompts" executable (sampling arrays, logits output) on pre-staged inputs, and `generate`'s
+`ttft_s`, each with the profile's top kernel families.
+
+  PYTHONPATH=$PWD python3 benchmarks/ttft_probe.py --checkpoint /tmp/ck/gpt2 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from cg_jax import Engine, profile
+from cg_jax.sampling import SamplingArrays
+
+
+def timed(fn, repeats=10):
+  fn()
+  out = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    out.append(time.perf_counter() - start)
+  return statistics.median(out) * 1e3
+
+
+def kernels(fn, calls=3):
+  fn()
+  logdir = tempfile.mkdtemp()
+  with jax.profiler.trace(logdir):
+    for _ in range(calls):
+      fn()
+  report = profile.parse_trace(profile.find_trace(logdir), calls)
+  return {"kernels_per_call": report.kernels_per_step, "gpu_busy_us": report.gpu_busy_us,
+          "top": [list(k) for k in report.top_kernels[:10]]}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--checkpoint", required=True)
+  ap.add_argument("--out", required=True)
+  args = ap.parse_args()
+  engine = Engine.from_pretrained(args.checkpoint, dtype="bfloat16", max_seq_len=1024,
+                                  batch_buckets=(1, 8), prompt_buckets=(512,))
+  weights = engine.executables.steps.split.weights
+  vocab = engine.model_config.vocab_size
+  rng = np.random.default_rng(0)
+  result = {"model": os.path.basename(args.checkpoint.rstrip("/")), "jax": jax.__version__,
+            "commit": os.environ.get("CG_JAX_COMMIT")}
+  for batch in (1, 8):
+    tokens = jax.device_put(rng.integers(0, vocab, (batch, 512)).astype(np.int32))
+    lengths = jax.device_put(np.full((batch,), 512, np.int32))
+    sampling = jax.device_put(SamplingArrays.host(batch, temperature=0.0, top_k=0, top_p=1.0,
+                                                  seed=0, rows=np.arange(batch)))
+    prompts = engine.executables.get(("prompts", batch, 512))
+    prefill = engine.executables.get(("prefill", batch, 512))
+    first = engine.executables.get(("first", batch, True))
+
+    def scheduler_path():
+      new, _, cache = prompts(weights, engine.kv_cache.get(), tokens, lengths, np.int32(0),
+                              sampling)
+      engine.kv_cache.set(cache)
+      return np.asarray(new)
+
+    def static_path():
+      logits, cache = prefill(weights, engine.kv_cache.get(), tokens, lengths)
+      engine.kv_cache.set(cache)
+      return np.asarray(first(logits, lengths, None))
+
+    def generate():
+      return engine.generate(rng.integers(0, vocab, (batch, 512)).tolist(), max_new_tokens=1,
+                             eos_token_id=[]).stats["ttft_s"] * 1e3
+
+    row = {"prompts_ms": timed(scheduler_path), "static_ms": timed(static_path)}
+    generate()
+    row["generate_ttft_ms"] = statistics.median(generate() for _ in range(7))
+    row["prompts_kernels"] = kernels(scheduler_path)
+    row["static_kernels"] = kernels(static_path)
+    result[f"b{batch}"] = row
+    print(batch, {k: v for k, v in row.items() if k.endswith("ms")},
+          row["prompts_kernels"]["gpu_busy_us"], row["static_kernels"]["gpu_busy_us"], flush=True)
+  with open(os.path.join(args.out, f"ttft_{result['model']}.json"), "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
