@@ -35,11 +35,14 @@ CACHE_WRITES = ("fused", "scatter")
 MAX_READBACK_LAG = 8
 # The prompt executables' GEMMs: "xla" leaves the choice to XLA (its autotuned Triton GEMM
 # fusions, as the decode steps use), "cublas" turns Triton GEMMs off so that the long-M products
-# of a prefill go to cuBLAS (benchmarks/results/prefill_h200.md).
+# of a prefill go to cuBLAS. `EngineConfig.create` picks cuBLAS for models at least
+# CUBLAS_PREFILL_HIDDEN wide, where it gave the faster time to first token, and XLA below
+# (benchmarks/results/user_latency_h200.md).
 PREFILL_GEMMS: dict[str, dict[str, Any]] = {
     "xla": {},
     "cublas": {"xla_gpu_enable_triton_gemm": False},
 }
+CUBLAS_PREFILL_HIDDEN = 2048
 MAX_MATMUL_ROWS = 64
 
 
@@ -147,7 +150,7 @@ class EngineConfig:
   forward: ForwardConfig
   graphs: str = "xla-default"
   readback_lag: int = 2
-  prefill_gemm: str = "cublas"
+  prefill_gemm: str = "xla"
   tensor_parallel: int = 1
   max_waiting: int = 1024
   prefix_cache_tokens: int = 0
@@ -190,14 +193,15 @@ class EngineConfig:
   def create(cls, model: DecoderConfig, *, max_seq_len: int | None = None,
              batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
              prompt_buckets: Sequence[int] | None = None, graphs: str = "xla-default",
-             readback_lag: int = 2, prefill_gemm: str = "cublas", tensor_parallel: int = 1,
+             readback_lag: int = 2, prefill_gemm: str | None = None, tensor_parallel: int = 1,
              max_waiting: int = 1024, prefix_cache_tokens: int | None = None,
              prefix_block: int | None = None, compiler_options: Mapping[str, Any] | None = None,
              **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
     min(model context, 2048); prompt buckets powers of two from 16 below max_seq_len; a prefix
-    cache of 4 x max_seq_len tokens in blocks of min(16, max_seq_len - 1); the forward options
-    of `ForwardConfig.create`. Checked against `model`."""
+    cache of 4 x max_seq_len tokens in blocks of min(16, max_seq_len - 1); the prompt
+    executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
+    the forward options of `ForwardConfig.create`. Checked against `model`."""
     if max_seq_len is None:
       max_seq_len = min(model.max_position_embeddings, 2048)
     if _is_int(max_seq_len) and max_seq_len >= 2:  # (else the tree's own check says why)
@@ -207,6 +211,8 @@ class EngineConfig:
         prefix_block = min(16, max_seq_len - 1)
       if prefix_cache_tokens is None:
         prefix_cache_tokens = 4 * max_seq_len
+    if prefill_gemm is None:
+      prefill_gemm = "cublas" if model.hidden_size >= CUBLAS_PREFILL_HIDDEN else "xla"
     if compiler_options is not None and not isinstance(compiler_options, Mapping):
       raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
                       f"{compiler_options!r}")

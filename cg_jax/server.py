@@ -204,6 +204,8 @@ _STRICT = ConfigDict(strict=True, frozen=True, extra="forbid")
 class StreamOptions(BaseModel):
   model_config = _STRICT
   include_usage: bool | None = None
+  # vLLM's extension (guidellm sends it): every chunk also carries the usage so far.
+  continuous_usage_stats: bool | None = None
 
 
 class _Sampling(BaseModel):
@@ -726,7 +728,8 @@ class Service:
     return choice.take()
 
   async def events(self, jobs: list[Job], handles: list[Handle | None], scores: list, *,
-                   chat: bool, include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+                   chat: bool, include_usage: bool, token_ids: bool,
+                   continuous_usage: bool = False) -> AsyncIterator[str]:
     """The server-sent events of a streamed request: chunks as tokens arrive (a choice per
     prompt; with `echo`, a first chunk per choice with its prompt), a last chunk per choice with
     its finish_reason, the usage chunk if asked, then [DONE]. An error after the first event is
@@ -735,8 +738,11 @@ class Service:
     With logprobs, each chunk carries those of the tokens since the previous chunk of its choice
     (tokens whose text is held back wait for the chunk that shows it, or the last one), with
     offsets into the whole choice's text: joined, they equal the non-streamed logprobs. Chat's
-    first (role) chunk has none."""
+    first (role) chunk has none. With `continuous_usage` (and `include_usage`) every chunk
+    carries the usage so far."""
     chunk = _Chunks(self.model_name, chat, include_usage, token_ids)
+    prompt_tokens = sum(len(job.ids) for job in jobs)
+    generated = 0
     queue: asyncio.Queue = asyncio.Queue()
     logs = [self.logprobs(job, score, chat) for job, score in zip(jobs, scores, strict=True)]
 
@@ -766,22 +772,49 @@ class Service:
                                                   taken(index))]))
       tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles) if h is not None]
       while any(c is None for c in completions):
-        index, item = await queue.get()
-        if isinstance(item, Delta):
-          if logs[index] is not None and item.token >= 0:
-            logs[index].add(item.token, item.logprob, item.top_logprobs)
-          if item.text or (token_ids and item.token >= 0):
-            ids = [item.token] if item.token >= 0 else []
-            yield _event(chunk.choices([chunk.delta(index, item.text or "", ids,
-                                                    taken(index))]))
-        elif isinstance(item, Completion):
-          completions[index] = item
-          self.metrics.finished(item)
-          yield _event(chunk.choices([chunk.final(index, item.finish_reason, taken(index))]))
-        else:
-          failed = True
-          yield _event(engine_error(item).body())
+        # Everything that arrived since the last wake-up: a choice's deltas in it go out as one
+        # chunk (when the stream falls behind the engine, fewer and larger chunks).
+        items = [await queue.get()]
+        while not queue.empty():
+          items.append(queue.get_nowait())
+        pending: dict[int, tuple[list[str], list[int]]] = {}
+
+        def flush(index: int) -> str | None:
+          texts, ids = pending.pop(index, ((), ()))
+          if not texts and not ids:
+            return None
+          return _event(chunk.choices([chunk.delta(index, "".join(texts), list(ids),
+                                                   taken(index))]))
+
+        for index, item in items:
+          if isinstance(item, Delta):
+            if logs[index] is not None and item.token >= 0:
+              logs[index].add(item.token, item.logprob, item.top_logprobs)
+            generated += int(item.token >= 0)
+            if continuous_usage:
+              chunk.running = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                               "total_tokens": prompt_tokens + generated}
+            if item.text or (token_ids and item.token >= 0):
+              texts, ids = pending.setdefault(index, ([], []))
+              texts.append(item.text or "")
+              if item.token >= 0:
+                ids.append(item.token)
+            continue
+          if (event := flush(index)) is not None:
+            yield event
+          if isinstance(item, Completion):
+            completions[index] = item
+            self.metrics.finished(item)
+            yield _event(chunk.choices([chunk.final(index, item.finish_reason, taken(index))]))
+          else:
+            failed = True
+            yield _event(engine_error(item).body())
+            break
+        if failed:
           break
+        for index in list(pending):
+          if (event := flush(index)) is not None:
+            yield event
       else:
         if include_usage:
           yield _event(chunk.usage(_usage(jobs, completions)))
@@ -935,12 +968,13 @@ class _Chunks:
     self.include_usage, self.token_ids = include_usage, token_ids
     self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
+    self.running: dict[str, int] | None = None  # the usage so far (`continuous_usage_stats`)
 
   def choices(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
     data = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created, "model": self.model, "choices": choices}
     if self.include_usage:
-      data["usage"] = None
+      data["usage"] = self.running
     return data
 
   def usage(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -1055,9 +1089,11 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
     scores = await service.scores(jobs)
     handles = service.submit(jobs)
     if body.stream:
-      include_usage = bool(body.stream_options and body.stream_options.include_usage)
-      events = service.events(jobs, handles, scores, chat=chat, include_usage=include_usage,
-                              token_ids=body.return_token_ids)
+      options = body.stream_options or StreamOptions()
+      events = service.events(jobs, handles, scores, chat=chat,
+                              include_usage=bool(options.include_usage),
+                              token_ids=body.return_token_ids,
+                              continuous_usage=bool(options.continuous_usage_stats))
       return _EventStream(events, [h for h in handles if h is not None])
     try:
       completions = await service.complete(request, handles)

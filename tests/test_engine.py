@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cg_jax import Buckets, Engine, compile_stats
+from cg_jax import Buckets, Engine, EngineConfig, compile_stats
 from cg_jax.executables import PHASES, ExecutableTable
 from cg_jax.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
@@ -312,3 +312,33 @@ def test_stored_executables_load_and_a_bad_file_is_compiled_again(engine, tmp_pa
   other = table(dataclasses.replace(engine.config, readback_lag=1))
   other.get(("move",))
   assert other.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 3
+
+
+def test_prefill_gemm_default_follows_the_model_width():
+  assert EngineConfig.create(preset("llama-3.2-1b")).prefill_gemm == "cublas"
+  assert EngineConfig.create(preset("gpt2")).prefill_gemm == "xla"
+  assert EngineConfig.create(preset("gpt2"), prefill_gemm="cublas").prefill_gemm == "cublas"
+
+
+def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
+  engine = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,), prompt_buckets=(16,),
+                  prefill_gemm="cublas", compilation_cache=False)
+  seen = {}
+  lower = engine.executables.lower
+
+  class Recording:
+    def __init__(self, key):
+      self.key, self.lowered = key, lower(key)
+
+    def compile(self, compiler_options):
+      seen[self.key[0]] = compiler_options
+      return self.lowered.compile(compiler_options=compiler_options)
+
+  monkeypatch.setattr(engine.executables, "lower", Recording)
+  tokens = engine.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[])
+  assert seen["prompts"]["xla_gpu_enable_triton_gemm"] is False
+  assert "xla_gpu_enable_triton_gemm" not in seen["decode"]
+  assert seen["decode"] == engine.config.xla_options
+  reference = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,),
+                     prompt_buckets=(16,), prefill_gemm="xla", compilation_cache=False)
+  assert reference.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[]) == tokens

@@ -10,6 +10,7 @@ SIGTERM drains and exits; no thread is left behind."""
 import asyncio
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import queue
@@ -269,6 +270,16 @@ def test_streamed_completion_equals_engine_generate(client, engine, port):
   assert [t for c in choices for t in c.choices[0].token_ids] == expected[0]
   assert [c.choices[0].finish_reason for c in choices][-1] in ("stop", "length")
   assert all(c.choices[0].finish_reason is None for c in choices[:-1])
+  # vLLM's continuous usage (guidellm asks for it): every chunk counts the tokens so far.
+  chunks = list(client.completions.create(
+      model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stream=True,
+      stream_options={"include_usage": True, "continuous_usage_stats": True},
+      extra_body={"return_token_ids": True}))
+  *choices, last = chunks
+  seen = list(itertools.accumulate(len(c.choices[0].token_ids) for c in choices))
+  assert [c.usage.completion_tokens for c in choices] == seen
+  assert last.usage.completion_tokens == seen[-1] == len(expected[0])
+  assert {c.usage.prompt_tokens for c in chunks} == {last.usage.prompt_tokens}
   # Several prompts: one choice each, interleaved.
   chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8,
                                           temperature=0, stream=True))
