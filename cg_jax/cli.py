@@ -38,12 +38,12 @@ GENERATE_FLAGS = {
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
     "top_p": "--top-p", "seed": "--seed", "max_seq_len": "--max-seq-len",
     "tensor_parallel": "--tensor-parallel", "batch_buckets": "--batch-buckets",
-    "batch_sizes": "--batch-buckets", "stop": "--stop"}
+    "batch_sizes": "--batch-buckets", "stop": "--stop", "batch_invariant": "--batch-invariant"}
 SERVE_FLAGS = {
     "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
     "batch_buckets": "--batch-buckets", "batch_sizes": "--batch-buckets",
     "prompt_buckets": "--prompt-buckets", "max_waiting": "--max-waiting",
-    "request_timeout": "--request-timeout"}
+    "request_timeout": "--request-timeout", "batch_invariant": "--batch-invariant"}
 PROFILE_FLAGS = {
     "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
     "position": "--position", "batch_buckets": "--batch", "batch_sizes": "--batch"}
@@ -68,6 +68,18 @@ def _engine_flags(parser: argparse.ArgumentParser, batches: str) -> None:
                            "2048)")
   parser.add_argument("--tensor-parallel", type=int, default=1,
                       help="split the model over this many devices (cg_jax.sharding)")
+  parser.add_argument("--batch-invariant", action="store_true",
+                      help="a request's tokens do not depend on the other requests or the load "
+                           "(EngineConfig.batch_invariant)")
+
+
+def _engine_options(args) -> dict:
+  """The engine keywords of `_engine_flags` (dtype only when given: None is the default)."""
+  options = dict(batch_buckets=args.batch_buckets, max_seq_len=args.max_seq_len,
+                 tensor_parallel=args.tensor_parallel, batch_invariant=args.batch_invariant)
+  if args.dtype is not None:
+    options["dtype"] = args.dtype
+  return options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,10 +256,7 @@ def generate(args) -> int:
                      "a batch")
   _check_tokenizer(args)
   _warn_greedy(args)
-  dtype = {} if args.dtype is None else {"dtype": args.dtype}  # None: the engine's default
-  engine = Engine.from_pretrained(args.model, batch_buckets=args.batch_buckets,
-                                  max_seq_len=args.max_seq_len,
-                                  tensor_parallel=args.tensor_parallel, **dtype)
+  engine = Engine.from_pretrained(args.model, **_engine_options(args))
   options = dict(do_sample=args.temperature > 0, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed)
   if args.stop:
@@ -282,12 +291,8 @@ def serve(args) -> int:
           file=sys.stderr)
     return 2
   template = server.load_chat_template(args.model)
-  dtype = {} if args.dtype is None else {"dtype": args.dtype}  # None: the engine's default
-  engine = Engine.from_pretrained(args.model, batch_buckets=args.batch_buckets,
-                                  prompt_buckets=args.prompt_buckets,
-                                  max_seq_len=args.max_seq_len,
-                                  tensor_parallel=args.tensor_parallel,
-                                  max_waiting=args.max_waiting, **dtype)
+  engine = Engine.from_pretrained(args.model, prompt_buckets=args.prompt_buckets,
+                                  max_waiting=args.max_waiting, **_engine_options(args))
   app = server.create_app(engine, args.served_model_name or args.model, chat_template=template,
                           request_timeout=args.request_timeout)
   server.serve(app, host=args.host, port=args.port, graceful_timeout=args.graceful_timeout,

@@ -44,6 +44,8 @@ PREFILL_GEMMS: dict[str, dict[str, Any]] = {
 }
 CUBLAS_PREFILL_HIDDEN = 2048
 MAX_MATMUL_ROWS = 64
+# The prompt chunk of `batch_invariant` engines unless prompt_buckets names one.
+INVARIANT_CHUNK = 256
 
 
 def _is_int(value) -> bool:
@@ -72,6 +74,8 @@ class ForwardConfig:
   cache_write: "fused" (the decode kernel stores the new key and value in place; needs Pallas
     attention and unrolled layers) or "scatter" (an XLA scatter per layer).
   decode_attention, prefill_attention: the Pallas kernels' own configs (Pallas attention only).
+  batch_invariant: decode steps pick tokens (and score them) on all the padded rows, so that every
+    per-row operation has the same shape in every batch bucket (`EngineConfig.batch_invariant`).
   """
 
   attention: str
@@ -80,9 +84,12 @@ class ForwardConfig:
   cache_write: str = "scatter"
   decode_attention: DecodeAttentionConfig = DecodeAttentionConfig()
   prefill_attention: FlashAttentionConfig = FlashAttentionConfig()
+  batch_invariant: bool = False
 
   def __post_init__(self):
     _choice("attention", self.attention, ATTENTION_BACKENDS)
+    if not isinstance(self.batch_invariant, bool):
+      raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
     _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
     _choice("cache_write", self.cache_write, CACHE_WRITES)
     if not _is_int(self.min_matmul_rows) or not 1 <= self.min_matmul_rows <= MAX_MATMUL_ROWS:
@@ -106,22 +113,31 @@ class ForwardConfig:
 
   @classmethod
   def create(cls, *, attention: str | None = None, layer_loop: str | None = None,
-             min_matmul_rows: int = 8, cache_write: str | None = None,
+             min_matmul_rows: int | None = None, cache_write: str | None = None,
              decode_attention: DecodeAttentionConfig | None = None,
-             prefill_attention: FlashAttentionConfig | None = None) -> "ForwardConfig":
+             prefill_attention: FlashAttentionConfig | None = None,
+             batch_invariant: bool = False, max_batch: int = 1) -> "ForwardConfig":
     """The config with the platform's defaults for what is None: Pallas attention, unrolled
     layers and the fused cache write on GPU; XLA attention, scanned layers and scatters
-    elsewhere."""
+    elsewhere; products on at least 8 rows. `batch_invariant` (with the engine's largest batch
+    bucket `max_batch`) pads every decode step to `max_batch` rows and keeps the decode kernel's
+    split count off the batch (`DecodeAttentionConfig(min_programs=0)`)."""
     if attention is None:
       attention = "pallas" if on_gpu() else "xla"
     if layer_loop is None:
       layer_loop = "unroll" if on_gpu() else "scan"
     if cache_write is None:
       cache_write = "fused" if attention == "pallas" and layer_loop == "unroll" else "scatter"
+    if min_matmul_rows is None:
+      min_matmul_rows = max(8, max_batch) if batch_invariant is True else 8
+    if decode_attention is None:
+      decode_attention = DecodeAttentionConfig()
+      if batch_invariant is True and attention == "pallas":
+        decode_attention = DecodeAttentionConfig(min_programs=0)
     return cls(attention=attention, layer_loop=layer_loop, min_matmul_rows=min_matmul_rows,
-               cache_write=cache_write,
-               decode_attention=decode_attention or DecodeAttentionConfig(),
-               prefill_attention=prefill_attention or FlashAttentionConfig())
+               cache_write=cache_write, decode_attention=decode_attention,
+               prefill_attention=prefill_attention or FlashAttentionConfig(),
+               batch_invariant=batch_invariant)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,6 +159,11 @@ class EngineConfig:
   prefix_block: tokens per prefix-cache block (a prefix is reused in whole blocks).
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
     sorted (name, value) pairs.
+  batch_invariant: a request's logits do not depend on the other requests, the slot or the
+    load: every decode step runs its products, token choice and scores on `buckets.max_batch`
+    rows, the decode kernel's split count depends on the cache length only, and prompts are
+    prefilled one per call in chunks of the one prompt bucket, at multiples of it (prefix-cache
+    hits are used in whole chunks).
   """
 
   max_seq_len: int
@@ -156,6 +177,7 @@ class EngineConfig:
   prefix_cache_tokens: int = 0
   prefix_block: int = 16
   compiler_options: tuple[tuple[str, Any], ...] = ()
+  batch_invariant: bool = False
 
   def __post_init__(self):
     if not _is_int(self.max_seq_len) or self.max_seq_len < 2:
@@ -183,11 +205,38 @@ class EngineConfig:
                        f"({self.prefix_block}), got {self.prefix_cache_tokens!r}")
     if not _is_int(self.tensor_parallel):  # its range depends on the devices: `check_model`
       raise ValueError(f"tensor_parallel must be an int, got {self.tensor_parallel!r}")
+    self._check_batch_invariance()
     if not isinstance(self.compiler_options, tuple) or any(
         not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], str)
         for pair in self.compiler_options):
       raise TypeError(f"compiler_options must be (name, value) pairs, got "
                       f"{self.compiler_options!r}")
+
+  def _check_batch_invariance(self) -> None:
+    if not isinstance(self.batch_invariant, bool):
+      raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+    f = self.forward
+    if f.batch_invariant != self.batch_invariant:
+      raise ValueError(f"forward.batch_invariant ({f.batch_invariant}) must equal batch_invariant "
+                       f"({self.batch_invariant})")
+    if not self.batch_invariant:
+      return
+    if f.min_matmul_rows < self.buckets.max_batch:
+      raise ValueError(f"batch_invariant=True needs min_matmul_rows >= the largest batch bucket "
+                       f"({self.buckets.max_batch}), got min_matmul_rows={f.min_matmul_rows}")
+    if f.attention == "pallas" and f.decode_attention.min_programs != 0:
+      raise ValueError(f"batch_invariant=True needs DecodeAttentionConfig(min_programs=0) (splits "
+                       f"fixed by the cache length), got decode_attention={f.decode_attention}")
+    if self.buckets.batch_sizes[0] != 1:
+      raise ValueError(f"batch_invariant=True prefills one prompt per call: batch_buckets must "
+                       f"include 1, got {self.buckets.batch_sizes}")
+    lengths = self.buckets.prompt_lengths
+    if len(lengths) != 1:
+      raise ValueError(f"batch_invariant=True prefills in chunks of one prompt bucket, got "
+                       f"prompt_buckets={lengths}")
+    if self.prefix_cache_tokens and lengths[0] % self.prefix_block:
+      raise ValueError(f"batch_invariant=True with the prefix cache needs prefix_block "
+                       f"({self.prefix_block}) to divide the prompt bucket ({lengths[0]})")
 
   @classmethod
   def create(cls, model: DecoderConfig, *, max_seq_len: int | None = None,
@@ -196,15 +245,18 @@ class EngineConfig:
              readback_lag: int = 2, prefill_gemm: str | None = None, tensor_parallel: int = 1,
              max_waiting: int = 1024, prefix_cache_tokens: int | None = None,
              prefix_block: int | None = None, compiler_options: Mapping[str, Any] | None = None,
-             **forward_options) -> "EngineConfig":
+             batch_invariant: bool = False, **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
     min(model context, 2048); prompt buckets powers of two from 16 below max_seq_len; a prefix
     cache of 4 x max_seq_len tokens in blocks of min(16, max_seq_len - 1); the prompt
     executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
-    the forward options of `ForwardConfig.create`. Checked against `model`."""
+    the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
+    min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
     if max_seq_len is None:
       max_seq_len = min(model.max_position_embeddings, 2048)
     if _is_int(max_seq_len) and max_seq_len >= 2:  # (else the tree's own check says why)
+      if prompt_buckets is None and batch_invariant is True:
+        prompt_buckets = (min(INVARIANT_CHUNK, max_seq_len - 1),)
       if prompt_buckets is None:
         prompt_buckets = powers_of_two(min(16, max_seq_len - 1), max_seq_len - 1)
       if prefix_block is None:
@@ -216,14 +268,19 @@ class EngineConfig:
     if compiler_options is not None and not isinstance(compiler_options, Mapping):
       raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
                       f"{compiler_options!r}")
+    buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets or ()))
+    if batch_invariant is True and buckets.max_batch > MAX_MATMUL_ROWS:
+      raise ValueError(f"batch_invariant=True pads decode steps to the largest batch bucket, at "
+                       f"most {MAX_MATMUL_ROWS}; got batch_buckets={buckets.batch_sizes}")
     config = cls(
-        max_seq_len=max_seq_len,
-        buckets=Buckets(tuple(batch_buckets), tuple(prompt_buckets or ())),
-        forward=ForwardConfig.create(**forward_options), graphs=graphs,
-        readback_lag=readback_lag, prefill_gemm=prefill_gemm,
+        max_seq_len=max_seq_len, buckets=buckets,
+        forward=ForwardConfig.create(batch_invariant=batch_invariant, max_batch=buckets.max_batch,
+                                     **forward_options),
+        graphs=graphs, readback_lag=readback_lag, prefill_gemm=prefill_gemm,
         tensor_parallel=tensor_parallel, max_waiting=max_waiting,
         prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block,
-        compiler_options=tuple(sorted((compiler_options or {}).items())))
+        compiler_options=tuple(sorted((compiler_options or {}).items())),
+        batch_invariant=batch_invariant)
     config.check_model(model)
     return config
 
@@ -260,7 +317,8 @@ class EngineConfig:
                 readback_lag=self.readback_lag, prefill_gemm=self.prefill_gemm,
                 tensor_parallel=self.tensor_parallel, max_waiting=self.max_waiting,
                 prefix_cache_tokens=self.prefix_cache_tokens, prefix_block=self.prefix_block,
-                compiler_options=dict(self.compiler_options), attention=f.attention,
+                compiler_options=dict(self.compiler_options),
+                batch_invariant=self.batch_invariant, attention=f.attention,
                 layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
                 cache_write=f.cache_write, decode_attention=f.decode_attention,
                 prefill_attention=f.prefill_attention)
@@ -281,4 +339,6 @@ def _keywords(function) -> tuple[str, ...]:
 
 
 # The keyword options `EngineConfig.create` takes (its own and the forward config's).
-OPTION_NAMES: tuple[str, ...] = _keywords(EngineConfig.create) + _keywords(ForwardConfig.create)
+# `ForwardConfig.create`'s batch_invariant and max_batch come from the engine's options.
+OPTION_NAMES: tuple[str, ...] = _keywords(EngineConfig.create) + tuple(
+    name for name in _keywords(ForwardConfig.create) if name not in ("batch_invariant", "max_batch"))

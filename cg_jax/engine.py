@@ -69,7 +69,7 @@ class Engine:
     engine_config: a whole `EngineConfig` tree; or else
     **options: its keyword options, with the platform's defaults for those left out (see
       `EngineConfig.create` and `ForwardConfig.create`): max_seq_len, batch_buckets,
-      prompt_buckets, graphs, readback_lag, prefill_gemm, tensor_parallel,
+      prompt_buckets, graphs, readback_lag, prefill_gemm, tensor_parallel, batch_invariant,
       compiler_options, attention, layer_loop, min_matmul_rows, cache_write, decode_attention
       (a `DecodeAttentionConfig`), prefill_attention (a `FlashAttentionConfig`).
     compilation_cache: persistent compilation cache directory, True for the user default,

@@ -128,9 +128,11 @@ class ExecutableTable:
 
   def prompt_batches(self) -> tuple[int, ...]:
     """The batch buckets up to PROMPT_BATCH: how many prompts a "prompts" or "chunk"
-    executable takes."""
-    return tuple(b for b in self.config.buckets.batch_sizes if b <= PROMPT_BATCH) or (
-        self.config.buckets.batch_sizes[0],)
+    executable takes (batch-invariant engines: 1)."""
+    sizes = self.config.buckets.batch_sizes
+    if self.config.batch_invariant:
+      return sizes[:1]
+    return tuple(b for b in sizes if b <= PROMPT_BATCH) or sizes[:1]
 
   def cache_spec(self) -> KVCache:
     c, e = self.model, self.config

@@ -49,15 +49,16 @@ class PrefixIndex:
   def __len__(self) -> int:
     return len(self._ids)
 
-  def lookup(self, prompt: Sequence[int]) -> list[int]:
+  def lookup(self, prompt: Sequence[int], multiple: int = 1) -> list[int]:
     """Pool ids of the cached blocks that start `prompt`, covering at most len(prompt) - 1
-    tokens; counts a hit or a miss."""
+    tokens, in a multiple of `multiple` blocks; counts a hit or a miss."""
     found = []
     digests = block_digests(prompt[:len(prompt) - 1], self.block)
     for digest in digests:
       if digest not in self._ids:
         break
       found.append(digest)
+    found = found[:len(found) // multiple * multiple]
     for digest in reversed(found):
       self._ids.move_to_end(digest)
     self.counters["hits" if found else "misses"] += 1

@@ -605,7 +605,10 @@ class Scheduler:
   def _load_prefix(self, live: _Live) -> list[tuple[int, int, int]]:
     """A new request's cached prompt blocks: (slot, block, pool block) pairs to copy."""
     live.looked_up = True
-    ids = self.prefix.lookup(live.prompt)
+    # Batch-invariant engines take whole chunks only: the chunk boundaries of a miss.
+    multiple = (self.config.buckets.prompt_lengths[0] // self.config.prefix_block
+                if self.config.batch_invariant else 1)
+    ids = self.prefix.lookup(live.prompt, multiple)
     live.prefilled = len(ids) * self.config.prefix_block
     return [(live.slot, block, source) for block, source in enumerate(ids)]
 

@@ -71,38 +71,54 @@ class StepFunctions:
     return select_tokens(logits, positions, sampling)
 
   def _logits(self, model, tokens, positions, cache: KVCache):
-    """One decode step's logits [B, V]. With fewer than `min_matmul_rows` rows, the layers run
-    on the rows padded to that many (token 0 at position 0): the padding rows never reach the
-    cache or the attention (`RealRows`), and the real rows do not depend on them."""
+    """One decode step's logits [B, V] ([P, V] when batch-invariant). With fewer than
+    `min_matmul_rows` rows, the layers run on the rows padded to that many (token 0 at position
+    0): the padding rows never reach the cache or the attention (`RealRows`), and the real rows
+    do not depend on them. Batch-invariant steps pad with idle rows instead (position -1), which
+    the attention takes too, so that the cache's first P rows are the step's rows."""
     batch = tokens.shape[0]
     padded = max(batch, self.forward.min_matmul_rows)
     attention = self.attention
-    if padded > batch:
+    if padded > batch and self.forward.batch_invariant:
+      # [B] -> [P]: the padding rows are idle (position -1: they write and read nothing), so
+      # the attention too runs on P rows in every bucket.
+      tokens, positions = _pad_rows(tokens, padded), _pad_rows(positions, padded, -1)
+    elif padded > batch:
       # [B] -> [P]
       tokens, positions = (jnp.pad(x, (0, padded - batch)) for x in (tokens, positions))
       attention = RealRows(attention, batch)
     hidden, cache = model.decode_hidden(tokens, positions, cache, attention=attention,
                                         layer_loop=self.forward.layer_loop, shards=self.shards)
+    if self.forward.batch_invariant:
+      # [P, V]: the token choice runs on the padded rows too (the same shapes in every bucket).
+      return model.unembed(hidden), cache
     return model.unembed(hidden[:batch]), cache
 
-  def _next(self, weights, cache: KVCache, tokens, positions, sampling):
-    """(logits [B, V], next tokens [B], next positions [B], cache) of one decode step."""
+  def _next(self, weights, cache: KVCache, tokens, positions, sampling, scored: bool):
+    """(next tokens [B], their scores [B, E] or None, next positions [B], cache) of one decode
+    step."""
+    batch = tokens.shape[0]
     logits, cache = self._logits(self.split.merge(weights), tokens, positions, cache)
     next_positions = jnp.where(positions < 0, positions, positions + 1)
-    return logits, select_tokens(logits, next_positions, sampling), next_positions, cache
+    rows = logits.shape[0]
+    # [B] -> [P] when the logits cover the padded rows (padding rows: greedy, position 0)
+    picked = select_tokens(logits, _pad_rows(next_positions, rows),
+                           _pad_sampling(sampling, rows))
+    scores = token_scores(logits, picked)[:batch] if scored else None
+    return picked[:batch], scores, next_positions, cache
 
   def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
-    _, next_tokens, next_positions, cache = self._next(weights, cache, tokens, positions,
-                                                       sampling)
+    next_tokens, _, next_positions, cache = self._next(weights, cache, tokens, positions,
+                                                       sampling, scored=False)
     # `emitted` is a copy for the host to read back asynchronously: `next_tokens` is donated
     # into the following step, which may start before the read-back finishes.
     return next_tokens, next_tokens, next_positions, cache
 
   def decode_scored(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays):
     """`decode`, with the new tokens' scores."""
-    logits, next_tokens, next_positions, cache = self._next(weights, cache, tokens, positions,
-                                                            sampling)
-    return next_tokens, token_scores(logits, next_tokens), next_tokens, next_positions, cache
+    next_tokens, scores, next_positions, cache = self._next(weights, cache, tokens, positions,
+                                                            sampling, scored=True)
+    return next_tokens, scores, next_tokens, next_positions, cache
 
   @staticmethod
   def token_logprobs(logits, tokens):
@@ -183,3 +199,18 @@ class StepFunctions:
       where = jnp.where(targets < 0, count, targets)  # out of range: dropped
       return pool_array.at[:, where].set(taken, mode="drop")
     return KVCache(k=one(pool.k, cache.k), v=one(pool.v, cache.v))
+
+
+def _pad_rows(x, rows: int, value=0):
+  """[B] -> [rows] (B <= rows), padded with `value`."""
+  return x if x.shape[0] == rows else jnp.pad(x, (0, rows - x.shape[0]), constant_values=value)
+
+
+def _pad_sampling(sampling: SamplingArrays | None, rows: int) -> SamplingArrays | None:
+  """Sampling arrays for `rows` rows; the padding rows are greedy."""
+  if sampling is None:
+    return None
+  return SamplingArrays(temperature=_pad_rows(sampling.temperature, rows),
+                        top_k=_pad_rows(sampling.top_k, rows),
+                        top_p=_pad_rows(sampling.top_p, rows, 1.0),
+                        seed=_pad_rows(sampling.seed, rows), row=_pad_rows(sampling.row, rows))

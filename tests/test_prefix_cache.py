@@ -30,6 +30,10 @@ def test_lookup_finds_the_longest_prefix_but_not_the_last_token():
   assert (stats["prefix_cache_hits"], stats["prefix_cache_misses"]) == (3, 1)
   assert stats["prefix_cache_hit_tokens"] == 4 * (2 + 3 + 1)
   assert stats["prefix_cache_hit_rate"] == pytest.approx(0.75)
+  # Whole groups of blocks only (batch-invariant chunks), counted as used.
+  assert index.lookup(prompt + [5], multiple=2) == [0, 1]
+  assert index.lookup(prompt, multiple=4) == []
+  assert index.stats()["prefix_cache_hit_tokens"] == 4 * (2 + 3 + 1 + 2)
 
 
 def test_least_recently_used_blocks_go_first_later_blocks_before_earlier():

@@ -1,0 +1,106 @@
+"""Batch-invariant engines: a request's tokens and log-probabilities, bit for bit, do not depend
+on the requests around it, its slot, the batch bucket, or the prefix cache."""
+
+import re
+
+import numpy as np
+import pytest
+
+from cg_jax import DecodeAttentionConfig, Engine, EngineConfig
+from cg_jax.kernels.decode_attention import split_layout
+from models import preset
+
+OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 4, 16), prompt_buckets=(16,), prefix_block=8,
+               batch_invariant=True)
+TARGET = list(np.random.default_rng(0).integers(2, 263, (37,)))  # three chunks of 16
+
+
+def _result(engine, prompt, **kwargs):
+  return engine.submit(prompt, 12, eos_token_id=[], **kwargs).result()
+
+
+def _same(got, want):
+  assert got.tokens == want.tokens
+  assert got.logprobs == want.logprobs  # exact floats
+  assert got.top_logprobs == want.top_logprobs
+
+
+@pytest.fixture(scope="module")
+def engine():
+  return Engine.from_pretrained("tiny-llama", **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def alone():
+  """The target request on an engine that serves nothing else, without a prefix cache."""
+  solo = Engine.from_pretrained("tiny-llama", prefix_cache_tokens=0, **OPTIONS)
+  return _result(solo, TARGET, logprobs=3), _result(solo, TARGET)
+
+
+def test_the_configuration_fixes_every_shape():
+  config = EngineConfig.create(preset("tiny-llama"), **OPTIONS)
+  assert config.forward.min_matmul_rows == 16 and config.forward.batch_invariant
+  gpu_like = EngineConfig.create(preset("tiny-llama"), attention="pallas", **OPTIONS)
+  assert gpu_like.forward.decode_attention.min_programs == 0
+  assert EngineConfig.create(preset("tiny-llama"), batch_invariant=True,
+                             max_seq_len=512).buckets.prompt_lengths == (256,)
+  # The decode kernel's split count: fixed by the cache length, not the batch.
+  fixed = gpu_like.forward.decode_attention
+  assert len({split_layout(batch, 8, 4096, fixed) for batch in (1, 8, 32)}) == 1
+  assert len({split_layout(batch, 8, 4096, DecodeAttentionConfig()) for batch in (1, 8, 32)}) > 1
+
+
+def _projection_shapes(engine, batch: int) -> set[str]:
+  """The operand types of the decode step's two-dimensional products (projections, unembed)."""
+  text = engine.executables.lower(("decode", batch, False)).as_text()
+  matrix = r"(tensor<\d+x\d+x(?:f|bf)\d+>)"
+  return set(re.findall(rf"stablehlo\.dot_general[^\n]*: \({matrix}, {matrix}\)", text))
+
+
+def test_every_bucket_runs_the_same_products(engine):
+  shapes = [_projection_shapes(engine, batch) for batch in (1, 4, 16)]
+  assert shapes[0] and shapes[0] == shapes[1] == shapes[2]
+  default = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1, 4, 16),
+                                   prompt_buckets=(16,))
+  assert _projection_shapes(default, 1) != _projection_shapes(default, 16)
+
+
+@pytest.mark.parametrize("others", [3, 15])
+def test_logprobs_equal_the_request_alone_among_others(engine, alone, others):
+  rng = np.random.default_rng(others)
+  # The others go first, so the target lands in slot `others` and moves as they finish.
+  handles = [engine.submit(list(rng.integers(2, 263, (int(rng.integers(3, 40)),))),
+                           int(rng.integers(4, 20)), eos_token_id=[],
+                           do_sample=bool(i % 2), temperature=0.8, seed=i)
+             for i in range(others)]
+  scored = engine.submit(TARGET, 12, eos_token_id=[], logprobs=3)
+  plain = engine.submit(TARGET, 12, eos_token_id=[])
+  _same(scored.result(), alone[0])
+  assert plain.result().tokens == alone[1].tokens
+  for handle in handles:
+    handle.result()
+
+
+@pytest.mark.parametrize("shared, used", [(24, 16), (12, 0)])
+def test_a_prefix_cache_hit_gives_the_same_logprobs(engine, alone, shared, used):
+  """A request sharing `shared` tokens with the target leaves blocks of 8 in the cache; the
+  target uses them in whole chunks of 16 (`used` tokens), the rest it prefills as a miss would."""
+  engine.reset_prefix_cache()
+  engine.submit(TARGET[:shared] + [5, 6, 7, 8, 9, 10, 11, 12], 2, eos_token_id=[]).result()
+  before = engine.stats()["prefix_cache_hit_tokens"]
+  _same(_result(engine, TARGET, logprobs=3), alone[0])
+  assert engine.stats()["prefix_cache_hit_tokens"] - before == used
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(min_matmul_rows=8), r"min_matmul_rows >= the largest batch bucket \(16\)"),
+    (dict(prompt_buckets=(16, 32)), r"chunks of one prompt bucket, got prompt_buckets=\(16, 32\)"),
+    (dict(batch_buckets=(2, 16)), "batch_buckets must include 1"),
+    (dict(prompt_buckets=(20,)), r"prefix_block \(8\) to divide the prompt bucket \(20\)"),
+    (dict(attention="pallas", decode_attention=DecodeAttentionConfig(min_programs=64)),
+     r"DecodeAttentionConfig\(min_programs=0\)"),
+    (dict(batch_buckets=(1, 128), max_seq_len=64), "at most 64"),
+])
+def test_settings_that_would_break_it_are_refused(options, match):
+  with pytest.raises(ValueError, match=match):
+    EngineConfig.create(preset("tiny-llama"), **{**OPTIONS, **options})
