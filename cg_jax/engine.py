@@ -184,7 +184,7 @@ class Engine:
     kv = cache_bytes(config, engine.buckets.max_batch, engine.max_seq_len, self.dtype)
     kv += cache_bytes(config, 1, engine.prefix_blocks * engine.prefix_block, self.dtype)
     weights = config.num_parameters() * self.dtype.itemsize
-    limit = limit if limit is not None else _device_memory_bytes(jax.devices()[0])
+    limit = limit if limit is not None else _device_memory_bytes(jax.local_devices()[0])
     # Per device, approximately: weights and cache over the devices (the replicated embeddings,
     # norms and LM head make the true share somewhat larger).
     kv, weights = kv // engine.tensor_parallel, weights // engine.tensor_parallel

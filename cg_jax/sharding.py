@@ -1,4 +1,5 @@
-"""Tensor-parallel decoding over the GPUs of one host with jax.sharding (XLA SPMD + NCCL).
+"""Tensor-parallel decoding with jax.sharding (XLA SPMD + NCCL): over the GPUs of one host, or
+of several processes (`initialize_processes`).
 
 Megatron-style: each of N devices holds 1/N of the attention heads and of the MLP columns.
   - QKV and MLP-in projections are column-parallel (their output columns are split), so each
@@ -41,6 +42,18 @@ _WEIGHT_SPECS = {
 }
 # [L, B, T, K, H]: split by KV head.
 CACHE_SPEC = P(None, None, None, AXIS, None)
+
+
+def initialize_processes(coordinator_address: str, num_processes: int, process_id: int) -> None:
+  """Join this process to a multi-process run (`jax.distributed`): afterwards `jax.devices()`
+  lists every process's devices, and `Engine(tensor_parallel=jax.device_count())` spans them.
+  Every process then builds the same engine and makes the same calls (`generate` with the same
+  arguments, in the same order): each runs the same executables on its own devices (SPMD). On
+  CPU devices the collectives go through gloo."""
+  if hasattr(jax.config, "jax_cpu_collectives_implementation"):  # CPU devices' collectives
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
 
 
 def check_tensor_parallel(config: DecoderConfig, tensor_parallel) -> None:
