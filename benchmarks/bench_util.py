@@ -26,6 +26,18 @@ def git_commit() -> str:
     return "unknown"
 
 
+def median_s(fn, repeats: int = 5) -> float:
+  """Median wall seconds of `fn()` (called once first, untimed): for calls that finish their
+  own work (block or read back) before returning."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
 def median_call_us(fn, *args, calls: int = 20, rounds: int = 7) -> float:
   """Per-call time (us) of `calls` back-to-back calls of a JAX function (the queue stays full,
   so host dispatch hides behind the kernels as in a decode step), median over rounds; the

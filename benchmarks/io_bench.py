@@ -19,18 +19,8 @@ import time
 import jax
 import numpy as np
 
-from bench_util import git_commit, write_rows
+from bench_util import git_commit, median_s, write_rows
 from cg_jax import Engine, host_io, profile
-
-
-def _median_s(fn, repeats: int = 5) -> float:
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def transfer_rows(device, size_bytes: int) -> list[dict]:
@@ -49,7 +39,7 @@ def transfer_rows(device, size_bytes: int) -> list[dict]:
   }
   rows = []
   for (direction, memory), fn in cases.items():
-    seconds = _median_s(fn)
+    seconds = median_s(fn)
     rows.append(dict(kind="transfer", direction=direction, host_memory=memory,
                      bytes=size_bytes, seconds=seconds, gb_per_s=size_bytes / seconds / 1e9))
   return rows
@@ -97,7 +87,7 @@ def swap_rows(model: str, batch: int, max_seq_len: int) -> list[dict]:
                                   compilation_cache=False)
   engine.warmup(phases=(), progress=False)  # allocates the KV cache only
   size = sum(x.nbytes for x in jax.tree.leaves(engine.kv_cache.get()))
-  out_s = _median_s(lambda: (engine.swap_out(), engine.swap_in(),
+  out_s = median_s(lambda: (engine.swap_out(), engine.swap_in(),
                              jax.block_until_ready(engine.kv_cache.get())))
   engine.swap_out()
   start = time.perf_counter()

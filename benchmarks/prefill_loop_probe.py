@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_util import median_s
 from cg_jax import Engine, profile
 from cg_jax.attention import PallasAttention
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
@@ -68,13 +69,7 @@ def big_writes(hlo: str, min_mb: float = 4.0) -> dict[str, list]:
 
 
 def timed(fn, repeats: int = 10) -> float:
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
+  return median_s(fn, repeats) * 1e3
 
 
 def trace_kernels(fn, calls: int) -> list:

@@ -13,23 +13,17 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import jax
 import numpy as np
 
+from bench_util import median_s
 from cg_jax import Engine, profile
 from cg_jax.sampling import SamplingArrays
 
 
 def timed(fn, repeats=10):
-  fn()
-  out = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    out.append(time.perf_counter() - start)
-  return statistics.median(out) * 1e3
+  return median_s(fn, repeats) * 1e3
 
 
 def kernels(fn, calls=3):

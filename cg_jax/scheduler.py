@@ -25,6 +25,7 @@ import asyncio
 import atexit
 import collections
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -539,11 +540,7 @@ class Scheduler:
     """The next chunk of up to PROMPT_BATCH started prompts in one "chunk" call, each at its
     slot and cache offset."""
     batches = self.table.prompt_batches()
-
-    def chunk_size(group):
-      longest = min(max(len(x.prompt) - x.prefilled for x in group), lengths[-1])
-      return next(n for n in lengths if n >= longest)
-
+    chunk_size = functools.partial(_chunk_size, lengths=lengths)
     group = self._group(started, batches, chunk_size)
     size, rows = chunk_size(group), next(b for b in batches if b >= len(group))
     tokens = np.zeros((rows, size), np.int32)
@@ -576,11 +573,7 @@ class Scheduler:
         break
       fits += 1
     batches = tuple(b for b in self.table.prompt_batches() if b <= fits) or (1,)
-
-    def chunk_size(group):
-      longest = min(max(len(x.prompt) for x in group), lengths[-1])
-      return next(n for n in lengths if n >= longest)
-
+    chunk_size = functools.partial(_chunk_size, lengths=lengths)
     consecutive = [fresh[0]]
     for live in fresh[1:]:
       if live.slot != consecutive[-1].slot + 1:
@@ -752,6 +745,12 @@ class Scheduler:
         live.position += 1
         new.append((live, int(tokens[b]), None if scores is None else scores[b]))
     self._deliver(new)
+
+
+def _chunk_size(group: list[_Live], lengths: tuple[int, ...]) -> int:
+  """The prompt bucket that takes the longest rest of a prompt in `group` (up to the largest)."""
+  longest = min(max(len(x.prompt) - x.prefilled for x in group), lengths[-1])
+  return next(n for n in lengths if n >= longest)
 
 
 class Exclusive:
