@@ -74,8 +74,9 @@ class ForwardConfig:
   cache_write: "fused" (the decode kernel stores the new key and value in place; needs Pallas
     attention and unrolled layers) or "scatter" (an XLA scatter per layer).
   decode_attention, prefill_attention: the Pallas kernels' own configs (Pallas attention only).
-  batch_invariant: decode steps pick tokens (and score them) on all the padded rows, so that every
-    per-row operation has the same shape in every batch bucket (`EngineConfig.batch_invariant`).
+  batch_invariant: decode steps pad with idle rows (position -1) that the attention, the token
+    choice and the scores take too, so that every per-row operation has the same shape in every
+    batch bucket (`EngineConfig.batch_invariant`).
   """
 
   attention: str
