@@ -1,6 +1,7 @@
 """Where a `generate` call's time to first token goes beyond the prefill (issue #18): for B
 prompts of 512 tokens, the static path's prefill + greedy first token, the scheduler's
-"prompts" executable (sampling arrays, logits output) on pre-staged inputs, and `generate`'s
+"prompts" executable (sampling arrays, logits output) on pre-staged inputs, the same function
+greedy-only (no sampling arrays: the sampling path sorts the vocabulary), and `generate`'s
 `ttft_s`, each with the profile's top kernel families.
 
   PYTHONPATH=$PWD python3 benchmarks/ttft_probe.py --checkpoint /tmp/ck/gpt2 --out OUT
@@ -55,12 +56,22 @@ def main():
     sampling = jax.device_put(SamplingArrays.host(batch, temperature=0.0, top_k=0, top_p=1.0,
                                                   seed=0, rows=np.arange(batch)))
     prompts = engine.executables.get(("prompts", batch, 512))
+    # The same executable's function without sampling arrays (greedy only): the token choice's
+    # share of the prompt call.
+    greedy_prompts = jax.jit(lambda w, c, t, n, f: engine.executables.steps.prompts(
+        w, c, t, n, f, None), donate_argnums=1)
     prefill = engine.executables.get(("prefill", batch, 512))
     first = engine.executables.get(("first", batch, True))
 
     def scheduler_path():
       new, _, cache = prompts(weights, engine.kv_cache.get(), tokens, lengths, np.int32(0),
                               sampling)
+      engine.kv_cache.set(cache)
+      return np.asarray(new)
+
+    def greedy_path():
+      new, _, cache = greedy_prompts(weights, engine.kv_cache.get(), tokens, lengths,
+                                     np.int32(0))
       engine.kv_cache.set(cache)
       return np.asarray(new)
 
@@ -73,10 +84,12 @@ def main():
       return engine.generate(rng.integers(0, vocab, (batch, 512)).tolist(), max_new_tokens=1,
                              eos_token_id=[]).stats["ttft_s"] * 1e3
 
-    row = {"prompts_ms": timed(scheduler_path), "static_ms": timed(static_path)}
+    row = {"prompts_ms": timed(scheduler_path), "prompts_greedy_ms": timed(greedy_path),
+           "static_ms": timed(static_path)}
     generate()
     row["generate_ttft_ms"] = statistics.median(generate() for _ in range(7))
     row["prompts_kernels"] = kernels(scheduler_path)
+    row["prompts_greedy_kernels"] = kernels(greedy_path)
     row["static_kernels"] = kernels(static_path)
     result[f"b{batch}"] = row
     print(batch, {k: v for k, v in row.items() if k.endswith("ms")},
