@@ -25,6 +25,8 @@
 #                  (CELLS0 / CELLS1: each GPU's model:max_len:gemms list; BATCHES)
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
+#   ttft-invariance  where generate's TTFT goes beyond the prefill (ttft_probe.py, gpt2 and
+#                  llama-3.2-1b), then batch invariance and its cost (batch_invariance_bench.py)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
 #                  (comparison_session.py; resumable: call again on the warm machine for the rest)
 set -u
@@ -156,6 +158,16 @@ if has graphs-gemm; then  # on nvidia-h200-x2; checkpoints made on the host whil
 fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py
+fi
+if has ttft-invariance; then  # issues #18 and #20
+  python3 benchmarks/make_checkpoints.py --out-dir /tmp/ck --models gpt2,llama-3.2-1b \
+    > "$out/checkpoints.log" 2>&1
+  for model in gpt2 llama-3.2-1b; do
+    run "ttft-$model" 150 python3 benchmarks/ttft_probe.py --checkpoint "/tmp/ck/$model"
+  done
+  echo "=== batch invariance ($(date +%T)) ==="
+  timeout 360 python3 benchmarks/batch_invariance_bench.py --models /tmp/ck/gpt2,/tmp/ck/llama-3.2-1b \
+    --out "$out/batch_invariance.json" 2>&1 | grep -v -i warning | tail -8
 fi
 if has comparison; then
   echo "=== comparison ($(date +%T)) ==="
