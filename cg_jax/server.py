@@ -741,7 +741,6 @@ class Service:
     first (role) chunk has none. With `continuous_usage` (and `include_usage`) every chunk
     carries the usage so far."""
     chunk = _Chunks(self.model_name, chat, include_usage, token_ids)
-    prompt_tokens = sum(len(job.ids) for job in jobs)
     generated = 0
     queue: asyncio.Queue = asyncio.Queue()
     logs = [self.logprobs(job, score, chat) for job, score in zip(jobs, scores, strict=True)]
@@ -792,8 +791,7 @@ class Service:
               logs[index].add(item.token, item.logprob, item.top_logprobs)
             generated += int(item.token >= 0)
             if continuous_usage:
-              chunk.running = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                               "total_tokens": prompt_tokens + generated}
+              chunk.running = _usage_counts(jobs, generated)
             if item.text or (token_ids and item.token >= 0):
               texts, ids = pending.setdefault(index, ([], []))
               texts.append(item.text or "")
@@ -838,8 +836,12 @@ async def _disconnected(request: fastapi.Request) -> None:
 
 
 def _usage(jobs: Sequence[Job], completions: Sequence[Completion]) -> dict[str, int]:
+  return _usage_counts(jobs, sum(len(c.tokens) for c in completions))
+
+
+def _usage_counts(jobs: Sequence[Job], generated: int) -> dict[str, int]:
+  """OpenAI's usage object of `jobs`' prompts and `generated` new tokens."""
   prompt = sum(len(job.ids) for job in jobs)
-  generated = sum(len(c.tokens) for c in completions)
   return {"prompt_tokens": prompt, "completion_tokens": generated,
           "total_tokens": prompt + generated}
 
