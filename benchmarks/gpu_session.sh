@@ -25,8 +25,10 @@
 #                  (CELLS0 / CELLS1: each GPU's model:max_len:gemms list; BATCHES)
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
-#   ttft-invariance  where generate's TTFT goes beyond the prefill (ttft_probe.py, gpt2 and
-#                  llama-3.2-1b), then batch invariance and its cost (batch_invariance_bench.py)
+#   ttft           where generate's TTFT goes beyond the prefill (ttft_probe.py, gpt2 and
+#                  llama-3.2-1b)
+#   invariance     batch invariance and its cost (batch_invariance_bench.py)
+#   tp-8b          llama-3.1-8b on one GPU (tp_bench.py: decode B=1/8/32, TTFT)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
 #                  (comparison_session.py; resumable: call again on the warm machine for the rest)
 set -u
@@ -159,15 +161,23 @@ fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py
 fi
-if has ttft-invariance; then  # issues #18 and #20
+if has ttft || has invariance; then  # issues #18 and #20
   python3 benchmarks/make_checkpoints.py --out-dir /tmp/ck --models gpt2,llama-3.2-1b \
     > "$out/checkpoints.log" 2>&1
+fi
+if has ttft; then
   for model in gpt2 llama-3.2-1b; do
-    run "ttft-$model" 150 python3 benchmarks/ttft_probe.py --checkpoint "/tmp/ck/$model"
+    run "ttft-$model" 120 python3 benchmarks/ttft_probe.py --checkpoint "/tmp/ck/$model"
   done
+fi
+if has invariance; then
   echo "=== batch invariance ($(date +%T)) ==="
   timeout 360 python3 benchmarks/batch_invariance_bench.py --models /tmp/ck/gpt2,/tmp/ck/llama-3.2-1b \
     --out "$out/batch_invariance.json" 2>&1 | grep -v -i warning | tail -8
+fi
+if has tp-8b; then  # issue #21 on one GPU: llama-3.1-8b decode at B=1/8/32 and TTFT
+  run tp-8b 240 python3 benchmarks/tp_bench.py --models llama-3.1-8b --devices 1 \
+    --batches 1,8,32 --variants full
 fi
 if has comparison; then
   echo "=== comparison ($(date +%T)) ==="

@@ -50,6 +50,20 @@ def floor_us(engine: Engine, batch: int, position: int) -> float:
   return one_gpu_floor_us(engine, batch, position) / engine.config.tensor_parallel
 
 
+def ttft_ms(engine: Engine, length: int, batches: list[int]) -> dict[str, float]:
+  """Median `generate` time to first token for `batch` random prompts of `length` tokens."""
+  if not length:
+    return {}
+  rng = np.random.default_rng(1)
+  vocab = engine.model_config.vocab_size
+  result = {}
+  for batch in batches:
+    times = [engine.generate(rng.integers(0, vocab, (batch, length)).tolist(), max_new_tokens=1,
+                             eos_token_id=[]).stats["ttft_s"] * 1e3 for _ in range(6)]
+    result[str(batch)] = float(np.median(times[1:]))
+  return result
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,6 +76,8 @@ def main():
   parser.add_argument("--position", type=int, default=512)
   parser.add_argument("--max-seq-len", type=int, default=1024)
   parser.add_argument("--steps", type=int, default=64, help="decode steps per timed run")
+  parser.add_argument("--ttft-len", type=int, default=512,
+                      help="prompt length of the TTFT rows (generate's ttft_s, B=1 and 8); 0: none")
   args = parser.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   meta = dict(system="cg_jax", gpu=jax.devices()[0].device_kind, gpus=len(jax.devices()),
@@ -78,7 +94,8 @@ def main():
     for model in args.models.split(","):
       if model not in references:
         base = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=batches,
-                                      prompt_buckets=(16,), max_seq_len=args.max_seq_len,
+                                      prompt_buckets=sorted({16, args.ttft_len} - {0}),
+                                      max_seq_len=args.max_seq_len,
                                       attention="pallas", layer_loop="unroll", graphs="full",
                                       compilation_cache=False)
         references[model] = (base, base.generate(prompt, max_new_tokens=16, eos_token_id=[]),
@@ -92,12 +109,13 @@ def main():
               tensor_parallel=devices, compiler_options=VARIANTS[variant], compilation_cache=False)
           tokens = engine.generate(prompt, max_new_tokens=16, eos_token_id=[])
           logits_error = relative_error(engine.logits(ids), reference_logits)
+          ttft = ttft_ms(engine, args.ttft_len, [b for b in (1, 8) if b <= max(batches)])
           for batch in batches:
             engine.warmup(batch_sizes=[batch], phases=("decode",), progress=False)
             row = dict(meta, mode=variant, model=model, tensor_parallel=devices, batch=batch,
                        tokens_match_one_gpu=tokens == reference_tokens,
                        logits_rel_error_vs_one_gpu=logits_error,
-                       floor_us=floor_us(engine, batch, args.position))
+                       floor_us=floor_us(engine, batch, args.position), ttft_ms=ttft)
             row.update(profile.time_decode(engine, batch, position=args.position,
                                            steps=args.steps))
             report, _ = profile.profile_decode(engine, batch, position=args.position,
@@ -109,7 +127,8 @@ def main():
             print(f"{model:13s} tp={devices} {variant:17s} B={batch:<3d} step "
                   f"{row['step_us']:8.1f} us dispatch {row['host_dispatch_wall_us']:7.1f} kernels "
                   f"{row['kernels_per_step']:6.0f} graphs {row['graph_launches_per_step']:5.2f} "
-                  f"floor {row['floor_us']:6.0f} tokens_equal {row['tokens_match_one_gpu']} "
+                  f"floor {row['floor_us']:6.0f} ttft {ttft} "
+                  f"tokens_equal {row['tokens_match_one_gpu']} "
                   f"logits_err {logits_error:.1e}", flush=True)
         except Exception as error:  # noqa: BLE001 -- a failed configuration is a row
           rows.append(failed_row(meta, error, f"{model} tp={devices} {variant}", mode=variant,

@@ -42,46 +42,59 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--checkpoint", required=True)
   ap.add_argument("--out", required=True)
+  ap.add_argument("--prompt-len", type=int, default=512, help="CPU smoke run: 64")
   args = ap.parse_args()
-  engine = Engine.from_pretrained(args.checkpoint, dtype="bfloat16", max_seq_len=1024,
-                                  batch_buckets=(1, 8), prompt_buckets=(512,))
+  length = args.prompt_len
+  engine = Engine.from_pretrained(args.checkpoint, dtype="bfloat16", max_seq_len=2 * length,
+                                  batch_buckets=(1, 8), prompt_buckets=(length,))
   weights = engine.executables.steps.split.weights
   vocab = engine.model_config.vocab_size
   rng = np.random.default_rng(0)
   result = {"model": os.path.basename(args.checkpoint.rstrip("/")), "jax": jax.__version__,
             "commit": os.environ.get("CG_JAX_COMMIT")}
   for batch in (1, 8):
-    tokens = jax.device_put(rng.integers(0, vocab, (batch, 512)).astype(np.int32))
-    lengths = jax.device_put(np.full((batch,), 512, np.int32))
+    tokens = jax.device_put(rng.integers(0, vocab, (batch, length)).astype(np.int32))
+    lengths = jax.device_put(np.full((batch,), length, np.int32))
     sampling = jax.device_put(SamplingArrays.host(batch, temperature=0.0, top_k=0, top_p=1.0,
                                                   seed=0, rows=np.arange(batch)))
-    prompts = engine.executables.get(("prompts", batch, 512))
+    prompts = engine.executables.get(("prompts", batch, length))
     # The same executable's function without sampling arrays (greedy only): the token choice's
     # share of the prompt call.
     greedy_prompts = jax.jit(lambda w, c, t, n, f: engine.executables.steps.prompts(
         w, c, t, n, f, None), donate_argnums=1)
-    prefill = engine.executables.get(("prefill", batch, 512))
+    prefill = engine.executables.get(("prefill", batch, length))
     first = engine.executables.get(("first", batch, True))
 
+    # Each direct call holds the engine idle: a `generate` call returns before the engine thread
+    # has stored the cache of its last step.
+    def held(fn):
+      def call():
+        with engine._scheduler.exclusive():
+          return fn()
+      return call
+
+    @held
     def scheduler_path():
       new, _, cache = prompts(weights, engine.kv_cache.get(), tokens, lengths, np.int32(0),
                               sampling)
       engine.kv_cache.set(cache)
       return np.asarray(new)
 
+    @held
     def greedy_path():
       new, _, cache = greedy_prompts(weights, engine.kv_cache.get(), tokens, lengths,
                                      np.int32(0))
       engine.kv_cache.set(cache)
       return np.asarray(new)
 
+    @held
     def static_path():
       logits, cache = prefill(weights, engine.kv_cache.get(), tokens, lengths)
       engine.kv_cache.set(cache)
       return np.asarray(first(logits, lengths, None))
 
     def generate():
-      return engine.generate(rng.integers(0, vocab, (batch, 512)).tolist(), max_new_tokens=1,
+      return engine.generate(rng.integers(0, vocab, (batch, length)).tolist(), max_new_tokens=1,
                              eos_token_id=[]).stats["ttft_s"] * 1e3
 
     row = {"prompts_ms": timed(scheduler_path), "prompts_greedy_ms": timed(greedy_path),
