@@ -163,10 +163,12 @@ def tensor_parallel(rows: list[dict]) -> list[str]:
           "graph launches per step are summed over the devices' traces; floor = the one-GPU HBM "
           "floor over the devices; vs 1 GPU = against the one-GPU row of the same commit; "
           "tokens / logits = greedy tokens equal to, and the full forward's max relative logits "
-          "difference from, the one-GPU engine.", "",
+          "difference from, the one-GPU engine; TTFT = `generate`'s time to first token for "
+          "512-token prompts at B=1 / B=8 (where measured).", "",
           "| commit | model | GPUs | mode | batch | step us | floor us | vs 1 GPU | dispatch us | "
-          "kernels/step | graph launches/step | idle share | tokens equal | logits rel diff |",
-          "|---" * 14 + "|"]
+          "kernels/step | graph launches/step | idle share | tokens equal | logits rel diff | "
+          "TTFT ms B=1 / 8 |",
+          "|---" * 15 + "|"]
   one_gpu = {(r.get("commit"), r["model"], r["batch"]): r["step_us"] for r in rows
              if r.get("tensor_parallel") == 1 and r.get("status") != "failed"}
   for r in rows:
@@ -182,7 +184,8 @@ def tensor_parallel(rows: list[dict]) -> list[str]:
                f"{r['host_dispatch_wall_us']:.1f} | {r['kernels_per_step']:.0f} | "
                f"{r['graph_launches_per_step']:.0f} | {r['idle_gap_share']:.2f} | "
                f"{'yes' if r['tokens_match_one_gpu'] else 'NO'} | "
-               f"{r['logits_rel_error_vs_one_gpu']:.1e} |")
+               f"{r['logits_rel_error_vs_one_gpu']:.1e} | "
+               f"{' / '.join(f'{v:.1f}' for v in r.get('ttft_ms', {}).values()) or '-'} |")
   return out
 
 

@@ -2,7 +2,8 @@
 prompts of 512 tokens, the static path's prefill + greedy first token, the scheduler's
 "prompts" executable (sampling arrays, logits output) on pre-staged inputs, the same function
 greedy-only (no sampling arrays: the sampling path sorts the vocabulary), and `generate`'s
-`ttft_s`, each with the profile's top kernel families.
+`ttft_s` with its host timeline (submit -> prompt call -> dispatched -> outputs ready -> first
+token emitted), each with the profile's top kernel families.
 
   PYTHONPATH=$PWD python3 benchmarks/ttft_probe.py --checkpoint /tmp/ck/gpt2 --out OUT
 """
@@ -15,11 +16,14 @@ import os
 import statistics
 import tempfile
 
+import time
+
 import jax
 import numpy as np
 
 from bench_util import median_s
 from cg_jax import Engine, profile
+from cg_jax import scheduler as scheduler_module
 from cg_jax.sampling import SamplingArrays
 
 
@@ -36,6 +40,48 @@ def kernels(fn, calls=3):
   report = profile.parse_trace(profile.find_trace(logdir), calls)
   return {"kernels_per_call": report.kernels_per_step, "gpu_busy_us": report.gpu_busy_us,
           "top": [list(k) for k in report.top_kernels[:10]]}
+
+
+def timeline(engine, call, runs=7) -> dict[str, float]:
+  """Median times (ms, from the submit) at which a `generate` call's prompt executable is called,
+  returns from its dispatch and has its outputs ready, and the first token is emitted."""
+  marks: dict[str, float] = {}
+  table, scheduler = engine._scheduler.table, engine._scheduler
+  get, submit, emit = table.get, scheduler.submit, scheduler_module.Group._emit
+
+  def timed_get(key):
+    executable = get(key)
+    if key[0] != "prompts":
+      return executable
+
+    def run(*args):
+      marks["call"] = time.perf_counter()
+      outputs = executable(*args)
+      marks["dispatched"] = time.perf_counter()
+      jax.block_until_ready(outputs)
+      marks["ready"] = time.perf_counter()
+      return outputs
+    return run
+
+  def timed_submit(*args, **kwargs):
+    marks["submit"] = time.perf_counter()
+    return submit(*args, **kwargs)
+
+  def timed_emit(group, *args):
+    marks.setdefault("emit", time.perf_counter())
+    return emit(group, *args)
+
+  table.get, scheduler.submit, scheduler_module.Group._emit = timed_get, timed_submit, timed_emit
+  rows = []
+  try:
+    for _ in range(runs):
+      marks.clear()
+      call()
+      rows.append({k: (v - marks["submit"]) * 1e3 for k, v in marks.items() if k != "submit"})
+  finally:
+    del table.get, scheduler.submit
+    scheduler_module.Group._emit = emit
+  return {k: statistics.median(r[k] for r in rows[1:]) for k in rows[-1]}
 
 
 def main():
@@ -101,11 +147,12 @@ def main():
            "static_ms": timed(static_path)}
     generate()
     row["generate_ttft_ms"] = statistics.median(generate() for _ in range(7))
+    row["generate_timeline_ms"] = timeline(engine, generate)
     row["prompts_kernels"] = kernels(scheduler_path)
     row["prompts_greedy_kernels"] = kernels(greedy_path)
     row["static_kernels"] = kernels(static_path)
     result[f"b{batch}"] = row
-    print(batch, {k: v for k, v in row.items() if k.endswith("ms")},
+    print(batch, {k: v for k, v in row.items() if k.endswith("ms")}, row["generate_timeline_ms"],
           row["prompts_kernels"]["gpu_busy_us"], row["static_kernels"]["gpu_busy_us"], flush=True)
   with open(os.path.join(args.out, f"ttft_{result['model']}.json"), "w") as f:
     json.dump(result, f, indent=1)

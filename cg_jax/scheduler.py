@@ -467,8 +467,10 @@ class Scheduler:
       self._read_one()
 
   def _retire(self, now: float) -> None:
-    """Free the slots of finished, cancelled and timed-out requests; keep slots [0, n)."""
-    for live in list(self._slots):
+    """Free the slots of finished, cancelled and timed-out requests; keep slots [0, n). From
+    the last slot down, so that only running requests move into the freed slots (a batch
+    that finished together moves nothing)."""
+    for live in reversed(list(self._slots)):
       if not live.finished:
         if live.cancelled:
           self._end(live, "cancelled")

@@ -63,8 +63,18 @@ class StepFunctions:
 
   def prefill(self, weights, cache: KVCache, tokens, lengths):
     model = self.split.merge(weights)
-    return model.prefill(tokens, lengths, cache, attention=self.attention,
-                         layer_loop=self.forward.layer_loop, shards=self.shards)
+    hidden, cache = model.prefill_hidden(tokens, lengths, cache, attention=self.attention,
+                                         layer_loop=self.forward.layer_loop, shards=self.shards)
+    return self._head(model, hidden), cache
+
+  def _head(self, model, hidden):
+    """A prompt call's vocabulary projection, hidden [B, D] -> float32 logits [B, V], on at
+    least `min_matmul_rows` rows: with cuBLAS GEMMs a one-row product runs as a float32 GEMV
+    over a float32 copy of the whole head (results/ttft_probe_h200.md)."""
+    batch = hidden.shape[0]
+    padded = max(batch, self.forward.min_matmul_rows)
+    # [B, D] -> [P, D]
+    return model.unembed(jnp.pad(hidden, ((0, padded - batch), (0, 0))))[:batch]
 
   @staticmethod
   def first_token(logits, positions, sampling: SamplingArrays | None):
@@ -129,9 +139,10 @@ class StepFunctions:
     past the real prompts are free slots); returns each row's next token [B], sampled with
     `sampling` (one row each), and the cache."""
     model = self.split.merge(weights)
-    logits, cache = model.prefill(tokens, lengths, cache,
-                                  attention=AtRows(self.attention, first),
-                                  layer_loop=self.forward.layer_loop, shards=self.shards)
+    hidden, cache = model.prefill_hidden(tokens, lengths, cache,
+                                         attention=AtRows(self.attention, first),
+                                         layer_loop=self.forward.layer_loop, shards=self.shards)
+    logits = self._head(model, hidden)
     return select_tokens(logits, lengths, sampling), logits, cache
 
   def chunk(self, weights, cache: KVCache, tokens, slots, starts, lengths, sampling):
@@ -150,7 +161,7 @@ class StepFunctions:
                                         layer_loop=self.forward.layer_loop, shards=self.shards)
     # [B, 1, D]: each row's last real token's hidden state
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-    logits = model.unembed(last[:, 0])
+    logits = self._head(model, last[:, 0])
     return select_tokens(logits, starts + lengths, sampling), logits, cache
 
   def score(self, weights, tokens):

@@ -329,6 +329,14 @@ class Decoder(nnx.Module):
 
   def prefill(self, tokens, lengths, cache: KVCache, *, attention=XlaAttention(),
               layer_loop: str = "scan", shards: int = 1):
+    """`prefill_hidden` and `unembed`: (float32 [B, V] logits of each row's last real token,
+    updated cache)."""
+    x_last, cache = self.prefill_hidden(tokens, lengths, cache, attention=attention,
+                                        layer_loop=layer_loop, shards=shards)
+    return self.unembed(x_last), cache
+
+  def prefill_hidden(self, tokens, lengths, cache: KVCache, *, attention=XlaAttention(),
+                     layer_loop: str = "scan", shards: int = 1):
     """Run right-padded prompts, writing their keys and values to cache[:, :B, :S].
 
     Args:
@@ -336,7 +344,7 @@ class Decoder(nnx.Module):
         unused padding row); cache: a `KVCache` with at least B rows and T >= S; rows [0, B)
         are written, the others are left as they are.
     Returns:
-      (float32 [B, V] logits of each row's last real token, updated cache).
+      (hidden state [B, D] of each row's last real token before the final norm, updated cache).
     """
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -349,7 +357,7 @@ class Decoder(nnx.Module):
     # [B, D]: the hidden state of each row's last real token.
     last = jnp.maximum(lengths - 1, 0)
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    return self.unembed(x_last), KVCache(k=k_all, v=v_all)
+    return x_last, KVCache(k=k_all, v=v_all)
 
   def decode_hidden(self, tokens, positions, cache: KVCache, *, attention=XlaAttention(),
                     layer_loop: str = "scan", shards: int = 1):
