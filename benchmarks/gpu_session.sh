@@ -172,7 +172,9 @@ if has ttft; then
 fi
 if has invariance; then
   echo "=== batch invariance ($(date +%T)) ==="
-  timeout 360 python3 benchmarks/batch_invariance_bench.py --models /tmp/ck/gpt2,/tmp/ck/llama-3.2-1b \
+  models=${INVARIANCE_MODELS:-gpt2,llama-3.2-1b}
+  timeout "${INVARIANCE_LIMIT_S:-360}" python3 benchmarks/batch_invariance_bench.py \
+    --models "$(echo ",$models" | sed 's|,|,/tmp/ck/|g; s|^,||')" \
     --out "$out/batch_invariance.json" 2>&1 | grep -v -i warning | tail -8
 fi
 if has tp-8b; then  # issue #21 on one GPU: llama-3.1-8b decode at B=1/8/32 and TTFT
