@@ -556,7 +556,6 @@ class Scheduler:
     new, logits, cache = self.table.get(("chunk", rows, size))(
         self.weights, self.cache.get(), tokens, slots, starts, counts,
         self._sampling(group, rows))
-    new.copy_to_host_async()  # queued behind the call: `_join` reads it without a round trip
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
@@ -592,7 +591,6 @@ class Scheduler:
     new, logits, cache = self.table.get(("prompts", rows, size))(
         self.weights, self.cache.get(), tokens, counts, np.int32(first),
         self._sampling(group, rows))
-    new.copy_to_host_async()
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
