@@ -19,7 +19,7 @@ Workloads (prompts of 64-480 random tokens, 128 new tokens, EOS off, greedy):
   shared_prefix  64 requests at once starting with one 384-token prefix (and 16-96 tokens of
                  their own), with the prefix cache on (the default) and off
 Systems: cg_jax (the scheduler: submit / generate), cg_jax_static (the static path, one call at
-a time under the engine's lock: `Engine._generator`, kept for this baseline), hf_continuous
+a time under the engine's lock: `static_path.py`, kept for this baseline), hf_continuous
 (transformers' `generate_batch`, paged SDPA, same checkpoint; its own process, run with
 JAX_PLATFORMS=cpu so that jax takes no GPU memory), cg_jax_http (the same workloads, prompts and
 arrivals through `python -m cg_jax serve` over HTTP, see `run_http`; with cg_jax in the same
@@ -69,6 +69,7 @@ from cg_jax import Engine, host_io
 from cg_jax.config import EngineConfig
 from cg_jax.hub import resolve_model
 from models.config import PRESETS
+from static_path import StaticPath
 
 NEW_TOKENS = 128
 PROMPT_LENGTHS = (64, 480)
@@ -203,7 +204,7 @@ def prefill_probe(engine, prompts, repeats: int = 5) -> dict:
     out[name] = round(float(np.median(times)) * 1e3, 3)
   request = engine.validate(prompts, 1, eos_token_id=[])
   for name, call in (("scheduler", lambda: engine.generate(prompts, 1, eos_token_id=[])),
-                     ("static", lambda: engine._generator.generate(request))):
+                     ("static", lambda: StaticPath.of(engine).generate(request))):
     call()
     out[f"{name}_ttft_ms"] = round(float(np.median(
         [call().stats["ttft_s"] for _ in range(repeats)])) * 1e3, 2)
@@ -218,7 +219,7 @@ def first_token_trace(engine, prompts) -> dict:
   original = table.get
   request = engine.validate(prompts, 2, eos_token_id=[])
   for name, call in (("scheduler", lambda: engine.generate(prompts, 2, eos_token_id=[])),
-                     ("static", lambda: engine._generator.generate(request))):
+                     ("static", lambda: StaticPath.of(engine).generate(request))):
     events = []
 
     def traced(key, events=events):
@@ -260,7 +261,7 @@ def run_model(model: str, args, base) -> list[dict]:
 
   def static(prompts):
     request = engine.validate(prompts, NEW_TOKENS, eos_token_id=[])
-    return engine._generator.generate(request).stats
+    return StaticPath.of(engine).generate(request).stats
 
   def scheduler(prompts):
     return engine.generate(prompts, NEW_TOKENS, eos_token_id=[]).stats

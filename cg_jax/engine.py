@@ -1,10 +1,11 @@
 """The engine: the front end over weights on the device, one preallocated KV cache and a table of
 executables compiled ahead of time per (phase, bucket).
 
-Request path: validate on the host -> pad to the smallest (batch, length) bucket -> prefill ->
-first token -> decode steps. Nothing on that path compiles once `warmup()` has run. The jobs
-live in their own modules: `cg_jax.config` (the configuration tree), `cg_jax.weights`
-(placement), `cg_jax.executables` (the executable table), `cg_jax.generation` (the loops),
+Request path: validate on the host -> the scheduler's queue -> prompt chunks padded to their
+(batch, length) bucket, with the first token -> decode steps over the batch. Nothing on that
+path compiles once `warmup()` has run. The jobs live in their own modules: `cg_jax.config` (the
+configuration tree), `cg_jax.weights` (placement), `cg_jax.executables` (the executable table),
+`cg_jax.scheduler` (continuous batching), `cg_jax.generation` (results and their text),
 `cg_jax.kv_cache` (the cache's lifecycle) and `cg_jax.validation` (requests).
 """
 
@@ -24,8 +25,7 @@ import numpy as np
 from cg_jax import attention, compile_stats, text, validation
 from cg_jax.config import OPTION_NAMES, EngineConfig, on_gpu
 from cg_jax.executables import SERVING_PHASES, ExecutableTable
-from cg_jax.generation import (GenerationResult, Generator, RowText, StreamChunk,
-                               final_text)
+from cg_jax.generation import GenerationResult, RowText, StreamChunk, final_text
 from cg_jax.hub import resolve_model
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.sampling import TOP_LOGPROBS, unpack_scores
@@ -129,9 +129,6 @@ class Engine:
     self._lock = threading.RLock()
     self._scheduler = Scheduler(e, self.executables, self.kv_cache, self.prefix_pool,
                                 self._split.weights, inputs_at, tokenizer, self._lock)
-    # The static path (benchmarks' baseline) runs alone: it writes cache rows from 0.
-    self._generator = Generator(e, self.executables, self.kv_cache, self._split.weights,
-                                inputs_at, tokenizer, self._scheduler.exclusive())
     self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(
         t, attention=steps.attention, shards=e.tensor_parallel))
     self._compiles_at_warmup: int | None = None
