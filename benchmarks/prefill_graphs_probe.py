@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import jax
@@ -38,12 +37,8 @@ def prompt_profile(engine, batch, length, calls=3):
   rng = np.random.default_rng(0)
   vocab = engine.model_config.vocab_size
   prompts = rng.integers(0, vocab, (batch, length)).tolist()
-  engine.generate(prompts, max_new_tokens=1, eos_token_id=[])
-  logdir = tempfile.mkdtemp()
-  with jax.profiler.trace(logdir):
-    for _ in range(calls):
-      engine.generate(prompts, max_new_tokens=1, eos_token_id=[])
-  report = profile.parse_trace(profile.find_trace(logdir), calls)
+  report = profile.profile_calls(
+      lambda: engine.generate(prompts, max_new_tokens=1, eos_token_id=[]), calls)
   return {k: report.as_dict()[k] for k in ("kernels_per_step", "graph_launches_per_step",
                                            "host_dispatch_us", "gpu_busy_us")}
 

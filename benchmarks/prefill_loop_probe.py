@@ -19,7 +19,6 @@ import json
 import os
 import re
 import statistics
-import tempfile
 import time
 
 import jax
@@ -73,12 +72,7 @@ def timed(fn, repeats: int = 10) -> float:
 
 
 def trace_kernels(fn, calls: int) -> list:
-  fn()
-  logdir = tempfile.mkdtemp(prefix="probe_")
-  with jax.profiler.trace(logdir):
-    for _ in range(calls):
-      fn()
-  report = profile.parse_trace(profile.find_trace(logdir), calls)
+  report = profile.profile_calls(fn, calls)
   return [list(k) for k in report.top_kernels[:12]] + [["kernels/call", report.kernels_per_step]]
 
 

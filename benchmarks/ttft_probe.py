@@ -14,8 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
-
 import time
 
 import jax
@@ -32,13 +30,9 @@ def timed(fn, repeats=10):
 
 
 def kernels(fn, calls=3):
-  fn()
-  logdir = tempfile.mkdtemp()
-  with jax.profiler.trace(logdir):
-    for _ in range(calls):
-      fn()
-  report = profile.parse_trace(profile.find_trace(logdir), calls)
+  report = profile.profile_calls(fn, calls)
   return {"kernels_per_call": report.kernels_per_step, "gpu_busy_us": report.gpu_busy_us,
+          "graph_launches_per_call": report.graph_launches_per_step,
           "top": [list(k) for k in report.top_kernels[:10]]}
 
 

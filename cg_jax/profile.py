@@ -279,6 +279,17 @@ def time_prefill(engine, batch: int, prompt_len: int, *, repeats: int = 10,
   return statistics.median(once() for _ in range(repeats)) * 1e3
 
 
+def profile_calls(fn, calls: int = 3, logdir: str | None = None) -> LaunchReport:
+  """The launch report of `calls` calls of `fn` (a function that waits for its result), after
+  one untraced call."""
+  fn()
+  logdir = logdir or tempfile.mkdtemp(prefix="cg_jax_profile_")
+  with jax.profiler.trace(logdir):
+    for _ in range(calls):
+      fn()
+  return parse_trace(find_trace(logdir), calls)
+
+
 def profile_decode(engine, batch: int, *, position: int = 512, steps: int = 10,
                    logdir: str | None = None) -> tuple[LaunchReport, str]:
   """Profile `steps` pipelined decode steps; returns (report, trace path)."""
