@@ -6,8 +6,9 @@ For each model, an engine in the default configuration and one with `batch_invar
 their log-probabilities (top 5), submitted alone, after 7 and after 31 other requests (which
 decode alongside it: it lands in slot 7 or 31 and moves as they finish), on an engine without
 the prefix cache, and after a request that leaves part of its prompt in the prefix cache. A row
-per model and mode: tokens and log-probabilities (float32, compared exactly) identical in every
-case, and the decode step at position 512 for B = 1, 8, 32 with its ratio to the default mode's.
+per model, mode and batch: tokens and log-probabilities (float32, compared exactly) identical in
+every case, and the decode step at position 512 at that batch with its ratio to the default
+mode's.
 
   PYTHONPATH=$PWD python3 benchmarks/batch_invariance_bench.py --models /tmp/ck/gpt2,/tmp/ck/llama-3.2-1b \
       --out $OUT/batch_invariance.json
@@ -86,6 +87,18 @@ def run(model: str, args, invariant: bool, steps: dict | None) -> dict:
   return row
 
 
+def per_batch(row: dict, meta: dict) -> list[dict]:
+  """One row per batch (the correctness fields are the run's over every case)."""
+  out = []
+  for batch, step in row["step_us"].items():
+    flat = {k: v for k, v in row.items() if k not in ("step_us", "cost_ratio")}
+    flat.update(meta, batch=int(batch), step_us=step)
+    if "cost_ratio" in row:
+      flat["cost_ratio"] = row["cost_ratio"][batch]
+    out.append(flat)
+  return out
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--models", default=None)
@@ -105,14 +118,16 @@ def main():
   rows = []
   for model in args.models.split(","):
     default = run(model, args, False, None)
-    rows += [default, run(model, args, True, default["step_us"])]
+    invariant = run(model, args, True, default["step_us"])
+    rows += per_batch(default, meta) + per_batch(invariant, meta)
     with open(args.out, "w") as f:
       json.dump(dict(meta=meta, rows=rows), f, indent=1)
-  print(f"\n{'model':14s} {'invariant':9s} {'tokens same':11s} {'logprobs same':13s} cost ratio")
+  print(f"\n{'model':14s} {'invariant':9s} {'B':>3s} {'tokens same':11s} {'logprobs same':13s} "
+        f"{'step us':>8s} cost ratio")
   for r in rows:
-    print(f"{r['model']:14s} {str(r['batch_invariant']):9s} "
+    print(f"{r['model']:14s} {str(r['batch_invariant']):9s} {r['batch']:3d} "
           f"{str(r['tokens_identical_across_batches']):11s} {str(r['logprobs_identical']):13s} "
-          f"{r.get('cost_ratio', '-')}")
+          f"{r['step_us']:8.1f} {r.get('cost_ratio', '-')}")
 
 
 if __name__ == "__main__":

@@ -23,10 +23,14 @@ def _on_duration(event: str, duration_secs: float, **_):
       _counts["compile_seconds"] += duration_secs
 
 
+_thread = threading.local()  # cache hits of the current thread (the compiling one emits them)
+
+
 def _on_event(event: str, **_):
   if event == _CACHE_HIT_EVENT:
     with _lock:
       _counts["cache_hits"] += 1
+    _thread.cache_hits = getattr(_thread, "cache_hits", 0) + 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -44,6 +48,11 @@ def compile_count() -> int:
 def cache_hit_count() -> int:
   """Executables loaded from the persistent compilation cache instead of compiled."""
   return _counts["cache_hits"]
+
+
+def thread_cache_hit_count() -> int:
+  """`cache_hit_count` of the calling thread alone (tells whether its last compile was a hit)."""
+  return getattr(_thread, "cache_hits", 0)
 
 
 def compile_seconds() -> float:

@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 
 import models
 
+from cg_jax import compile_stats
 from cg_jax.config import EngineConfig
 from cg_jax.sampling import SamplingArrays
 from cg_jax.sharding import TensorParallel
@@ -257,9 +258,12 @@ class ExecutableTable:
     start = time.perf_counter()
     options = (self.config.prefill_xla_options if key[0] in PREFILL_KINDS
                else self.config.xla_options)
+    hits = compile_stats.thread_cache_hit_count()
     exe = self.lower(key).compile(compiler_options=options)
     path = self._stored(key)
-    if path is not None:
+    # An executable that XLA's persistent cache supplied is not stored: serialized again, it
+    # loads without its kernels on the CPU ("Function ... not found" when run).
+    if path is not None and compile_stats.thread_cache_hit_count() == hits:
       _save(path, exe)
     return exe, time.perf_counter() - start
 
