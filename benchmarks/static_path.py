@@ -67,20 +67,6 @@ class StaticPath:
       texts = [text.decode(self.tokenizer, t) for t in tokens]
     return GenerationResult(tokens, texts, request.stats)
 
-  def stream(self, request: validation.Request) -> Iterator[StreamChunk]:
-    rows = self._row_texts(request)
-    if rows is None:
-      yield from self._run(request, None)
-      return
-    step = 0
-    for chunk in self._run(request, rows):
-      step = chunk.step + 1
-      yield dataclasses.replace(chunk, texts={row: rows[row].last_delta
-                                              for row in chunk.tokens})
-    rest = {i: delta for i, row in enumerate(rows) if (delta := row.finish())}
-    if rest:
-      yield StreamChunk(step, {}, rest)
-
   def _row_texts(self, request) -> list[RowText] | None:
     if self.tokenizer is None:
       return None
@@ -89,7 +75,7 @@ class StaticPath:
   def _run(self, request: validation.Request, rows: list[RowText] | None
            ) -> Iterator[StreamChunk]:
     """Run a request run by run; one chunk per step. With `rows`, each token is pushed to its
-    row's text first (`RowText.last_delta` holds the delta) and a stopped row emits no more."""
+    row's text first and a stopped row emits no more."""
     with self.lock:
       start = time.perf_counter()
       first_token_at = None
@@ -146,7 +132,7 @@ class StaticPath:
     marking rows that hit a stop string done (batch rows index `done`)."""
     if rows is not None:
       for row, token in tokens.items():
-        rows[row].last_delta = rows[row].push(token)
+        rows[row].push(token)
         if rows[row].stopped:
           done[row - row_start] = True
     return StreamChunk(step, tokens) if tokens else None

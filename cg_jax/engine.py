@@ -24,7 +24,7 @@ import numpy as np
 
 from cg_jax import attention, compile_stats, text, validation
 from cg_jax.config import OPTION_NAMES, EngineConfig, on_gpu
-from cg_jax.executables import SERVING_PHASES, ExecutableTable
+from cg_jax.executables import PREFIX_KINDS, SERVING_PHASES, ExecutableTable
 from cg_jax.generation import GenerationResult, RowText, StreamChunk, final_text
 from cg_jax.hub import resolve_model
 from cg_jax.kv_cache import CacheHolder
@@ -166,13 +166,17 @@ class Engine:
   def with_options(self, **options) -> "Engine":
     """A new engine over the same device weights with other options (e.g. another graph mode
     or layer loop), for side-by-side comparisons in one process. It shares this engine's
-    executables when its configuration differs only in the readback lag."""
+    executables when its configuration differs only in host-side settings (the readback lag,
+    the queue's size), and all but the prefix cache's when the prefix cache's size differs
+    too."""
     engine = Engine(self.model_config, self.weights(), dtype=self.dtype.name,
                     tokenizer=self.tokenizer, **{**self._options, **options})
-    same = (engine.config.options() | {"readback_lag": 0}) == (self.config.options()
-                                                              | {"readback_lag": 0})
-    if same:
+    host_only = {"readback_lag": 0, "max_waiting": 0}
+    mine, theirs = self.config.options() | host_only, engine.config.options() | host_only
+    if mine == theirs:
       engine.executables.share(self.executables)
+    elif mine | {"prefix_cache_tokens": 0} == theirs | {"prefix_cache_tokens": 0}:
+      engine.executables.share(self.executables, except_kinds=PREFIX_KINDS)
     return engine
 
   def _check_memory(self, limit: int | None) -> None:

@@ -63,6 +63,8 @@ from models.decoder import KVCache, init_cache
 PHASES = ("prompts", "chunk", "decode", "move", "prefix", "logprobs", "prefill", "first")
 SERVING_PHASES = ("prompts", "chunk", "decode", "move", "prefix")
 PREFILL_KINDS = ("prompts", "chunk", "score", "prefill")
+# The executables that depend on the prefix cache's size (the rest do not).
+PREFIX_KINDS = ("pool", "load", "save")
 # The most prompts prefilled together by the scheduler.
 PROMPT_BATCH = 16
 
@@ -290,9 +292,17 @@ class ExecutableTable:
         self.compiled[key], self.compile_seconds[key] = future.result()
     return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
 
-  def share(self, other: "ExecutableTable") -> None:
-    """Use `other`'s executables (same configuration and weights) instead of compiling again."""
-    self.compiled, self.compile_seconds = other.compiled, other.compile_seconds
+  def share(self, other: "ExecutableTable", *, except_kinds: tuple[str, ...] = ()) -> None:
+    """Use `other`'s executables (same configuration and weights) instead of compiling again;
+    with `except_kinds`, take those of the other kinds as they are now (the tables differ in
+    the kinds named)."""
+    if not except_kinds:
+      self.compiled, self.compile_seconds = other.compiled, other.compile_seconds
+      return
+    for key, exe in list(other.compiled.items()):
+      if key[0] not in except_kinds:
+        self.compiled[key] = exe
+        self.compile_seconds[key] = other.compile_seconds.get(key, 0.0)
 
 
 def _build_digest(model: DecoderConfig, config: EngineConfig, dtype) -> str:

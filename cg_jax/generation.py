@@ -40,7 +40,6 @@ class RowText:
     self.tokenizer, self.stop = tokenizer, stop
     self.ids: list[int] = []
     self.text = ""  # shown so far
-    self.last_delta = ""  # what the last `push` showed
     self.stopped = False
 
   def push(self, token: int) -> str:

@@ -45,7 +45,7 @@ def checkpoint(tmp_path_factory):
 
 def test_cli_preset_prints_ids_and_stats():
   out = _run("generate", "--model", "tiny-gpt2", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
-             "--max-new-tokens", "4", "--batch-buckets", "1,2", "--json")
+             "--max-new-tokens", "4", "--batch-buckets", "1,2", "--max-seq-len", "32", "--json")
   assert out.returncode == 0, out.stderr
   result = json.loads(out.stdout)
   assert [len(t) <= 4 for t in result["tokens"]] == [True, True]
@@ -54,16 +54,16 @@ def test_cli_preset_prints_ids_and_stats():
 
 def test_cli_checkpoint_with_tokenizer(checkpoint):
   out = _run("generate", "--model", str(checkpoint), "--prompt", "the quick brown",
-             "--max-new-tokens", "6", "--batch-buckets", "1", "--json")
+             "--max-new-tokens", "6", "--batch-buckets", "1", "--max-seq-len", "32", "--json")
   assert out.returncode == 0, out.stderr
   result = json.loads(out.stdout)
-  engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,))
+  engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,), max_seq_len=32)
   expected = engine.generate("the quick brown", max_new_tokens=6)
   assert result["tokens"] == list(expected)
   assert result["texts"] == expected.texts
   plain = _run("generate", "--model", str(checkpoint), "--prompt", "the quick brown",
-               "--max-new-tokens", "6", "--batch-buckets", "1", "--temperature", "0.7",
-               "--top-k", "5", "--top-p", "0.9", "--seed", "1")
+               "--max-new-tokens", "6", "--batch-buckets", "1", "--max-seq-len", "32",
+               "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "1")
   assert plain.returncode == 0, plain.stderr
   assert plain.stdout.startswith("[0] the quick brown") and "tokens/s" in plain.stdout
 
@@ -72,7 +72,7 @@ def test_cli_tensor_parallel_gives_the_one_device_tokens():
   """--tensor-parallel 2 on two host devices prints the single-device run's tokens; a value the
   machine cannot take is a clear error before any compile."""
   args = ("generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
-          "--batch-buckets", "1", "--json")
+          "--batch-buckets", "1", "--max-seq-len", "32", "--json")
   two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   one = _run(*args, env=two_devices)
   split = _run(*args, "--tensor-parallel", "2", env=two_devices)
@@ -158,7 +158,7 @@ def test_cli_profile_reports_per_step_numbers():
 
 STATS = (r"time to first token [\d.]+ ms \| per token [\d.]+ ms \| [\d.]+ tokens/s \| "
          r"warmup [\d.]+ s \(\d+ executables\)")
-SMALL = ("--max-new-tokens", "6", "--batch-buckets", "1", "--max-seq-len", "64")
+SMALL = ("--max-new-tokens", "6", "--batch-buckets", "1", "--max-seq-len", "32")
 
 
 class _Built(Exception):
@@ -229,7 +229,7 @@ def test_stream_takes_one_prompt_and_no_json(monkeypatch, capsys):
 def test_stop_cuts_the_text_before_the_stop_string(checkpoint):
   """Waits for the engine's `stop=`."""
   args = ("generate", "--model", str(checkpoint), "--prompt", "the quick brown",
-          "--max-new-tokens", "12", "--batch-buckets", "1", "--max-seq-len", "64")
+          "--max-new-tokens", "12", "--batch-buckets", "1", "--max-seq-len", "32")
   engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,), max_seq_len=64)
   full = engine.generate("the quick brown", max_new_tokens=12).texts[0]
   words = re.findall(r"[a-z]{2,}", full)  # random weights also emit partial UTF-8 bytes

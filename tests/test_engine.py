@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cg_jax import Buckets, Engine, EngineConfig, compile_stats
-from cg_jax.executables import PHASES, ExecutableTable
+from cg_jax.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
 
@@ -20,7 +20,7 @@ ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8
 @pytest.fixture(scope="module")
 def engine():
   engine = Engine.from_pretrained("tiny-llama", **ENGINE_OPTIONS)
-  engine.warmup(phases=PHASES, progress=False)
+  engine.warmup(phases=SERVING_PHASES, progress=False)
   return engine
 
 
@@ -81,7 +81,25 @@ def test_no_compiles_after_warmup(engine):
         eos_token_id=[int(rng.integers(0, 263))])
   assert compile_stats.compile_count() == before
   assert engine.stats()["compiles_since_warmup"] == 0
-  assert engine.stats()["executables"] == len(engine.executable_keys(phases=PHASES))
+  assert engine.stats()["executables"] == len(engine.executable_keys(phases=SERVING_PHASES))
+
+
+def test_with_options_reuses_the_executables_an_option_does_not_change(engine):
+  """Another queue size and no prefix cache: the new engine compiles nothing (the prefix
+  cache's executables are the only ones that depend on it) and gives the same tokens; another
+  prefix-cache size compiles only the prefix cache's executables."""
+  before = compile_stats.compile_count()
+  other = engine.with_options(max_waiting=7, prefix_cache_tokens=0)
+  other.warmup(phases=SERVING_PHASES, progress=False)
+  prompts = _prompts(3, [5, 12])
+  assert other.generate(prompts, max_new_tokens=4, eos_token_id=[]) == engine.generate(
+      prompts, max_new_tokens=4, eos_token_id=[])
+  assert compile_stats.compile_count() == before
+  smaller = engine.with_options(prefix_cache_tokens=engine.config.prefix_block * 2)
+  smaller.warmup(phases=SERVING_PHASES, progress=False)
+  assert compile_stats.compile_count() == before + 3  # pool, load, save
+  other.close()
+  smaller.close()
 
 
 def test_compile_counter_counts(engine):
