@@ -200,13 +200,13 @@ def test_help_shows_every_default(monkeypatch, capsys):
 
 
 def test_stream_prints_what_generate_prints(checkpoint):
-  engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,), max_seq_len=64)
+  engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,), max_seq_len=32)
   text = engine.generate("the quick brown", max_new_tokens=6).texts[0]
   out = _run("generate", "--model", str(checkpoint), "--prompt", "the quick brown", *SMALL,
              "--stream")
   assert out.returncode == 0, out.stderr
   assert re.fullmatch(re.escape(f"[0] the quick brown{text}\n") + STATS + "\n", out.stdout)
-  ids = Engine.from_pretrained("tiny-gpt2", batch_buckets=(1,), max_seq_len=64).generate(
+  ids = Engine.from_pretrained("tiny-gpt2", batch_buckets=(1,), max_seq_len=32).generate(
       [[5, 6, 7]], max_new_tokens=6)[0]
   out = _run("generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", *SMALL, "--stream")
   assert out.returncode == 0, out.stderr
@@ -230,7 +230,7 @@ def test_stop_cuts_the_text_before_the_stop_string(checkpoint):
   """Waits for the engine's `stop=`."""
   args = ("generate", "--model", str(checkpoint), "--prompt", "the quick brown",
           "--max-new-tokens", "12", "--batch-buckets", "1", "--max-seq-len", "32")
-  engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,), max_seq_len=64)
+  engine = Engine.from_pretrained(checkpoint, batch_buckets=(1,), max_seq_len=32)
   full = engine.generate("the quick brown", max_new_tokens=12).texts[0]
   words = re.findall(r"[a-z]{2,}", full)  # random weights also emit partial UTF-8 bytes
   assert words, full
@@ -278,7 +278,7 @@ def test_sampling_flags_without_temperature_warn(monkeypatch, capsys, flags, war
 
 
 def test_sampling_flags_without_temperature_still_decode_greedily():
-  greedy = Engine.from_pretrained("tiny-gpt2", batch_buckets=(1,), max_seq_len=64).generate(
+  greedy = Engine.from_pretrained("tiny-gpt2", batch_buckets=(1,), max_seq_len=32).generate(
       [[5, 6, 7]], max_new_tokens=6)
   out = _run("generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", *SMALL, "--top-k", "5",
              "--top-p", "0.5", "--json")
