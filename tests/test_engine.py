@@ -62,24 +62,6 @@ def test_large_batch_is_split_into_runs(engine):
   assert list(together) == alone
 
 
-def test_static_prefill_gives_generates_first_tokens(engine):
-  """The static path's executables ("prefill", "first": benchmarks' baseline) give the first
-  tokens that `generate` gives."""
-  prompts = _prompts(5, [3, 11])
-  tokens = np.zeros((2, 16), np.int32)
-  for row, prompt in enumerate(prompts):
-    tokens[row, :len(prompt)] = prompt
-  lengths = np.array([len(p) for p in prompts], np.int32)
-  cache = engine.kv_cache
-  with engine._scheduler.exclusive():
-    logits, new_cache = engine.executables.get(("prefill", 2, 16))(
-        engine.executables.steps.split.weights, cache.get(), tokens, lengths)
-    cache.set(new_cache)
-    first = np.asarray(engine.executables.get(("first", 2, True))(logits, lengths, None))
-  expected = engine.generate(prompts, max_new_tokens=1, eos_token_id=[])
-  assert first.tolist() == [row[0] for row in expected]
-
-
 # --------------------------------------------------------------------------------------------------
 # Warmup and compile counting
 
@@ -378,3 +360,21 @@ def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
   reference = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,),
                      prompt_buckets=(16,), prefill_gemm="xla", compilation_cache=False)
   assert reference.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[]) == tokens
+
+
+def test_static_prefill_gives_generates_first_tokens(engine):
+  """The static path's executables ("prefill", "first": benchmarks' baseline) give the first
+  tokens that `generate` gives. (Last in the file: it compiles after the warm-up.)"""
+  prompts = _prompts(5, [3, 11])
+  tokens = np.zeros((2, 16), np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, :len(prompt)] = prompt
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  cache = engine.kv_cache
+  with engine._scheduler.exclusive():
+    logits, new_cache = engine.executables.get(("prefill", 2, 16))(
+        engine.executables.steps.split.weights, cache.get(), tokens, lengths)
+    cache.set(new_cache)
+    first = np.asarray(engine.executables.get(("first", 2, True))(logits, lengths, None))
+  expected = engine.generate(prompts, max_new_tokens=1, eos_token_id=[])
+  assert first.tolist() == [row[0] for row in expected]
