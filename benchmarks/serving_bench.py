@@ -172,7 +172,6 @@ def prefill_probe(engine, prompts, repeats: int = 5) -> dict:
   counts = np.array([len(p) for p in prompts], np.int32)
   for b, p in enumerate(prompts):
     tokens[b, :len(p)] = p
-  sampling = engine._scheduler._sampling([None] * rows, rows)
   out = {}
   with engine._scheduler.exclusive():
     for name in ("prompts", "prefill"):
@@ -181,7 +180,7 @@ def prefill_probe(engine, prompts, repeats: int = 5) -> dict:
         start = time.perf_counter()
         if name == "prompts":
           new, _, cache = table.get(("prompts", rows, size))(  # (new tokens, logits, cache)
-              engine._split.weights, engine.kv_cache.get(), tokens, counts, np.int32(0), sampling)
+              engine._split.weights, engine.kv_cache.get(), tokens, counts, np.int32(0))
         else:
           logits, cache = table.get(("prefill", rows, size))(
               engine._split.weights, engine.kv_cache.get(), tokens, counts)
@@ -199,7 +198,7 @@ def prefill_probe(engine, prompts, repeats: int = 5) -> dict:
     times = []
     for _ in range(repeats * 4):
       begin = time.perf_counter()
-      jax.block_until_ready(put((tokens, counts, sampling)))
+      jax.block_until_ready(put((tokens, counts)))
       times.append(time.perf_counter() - begin)
     out[name] = round(float(np.median(times)) * 1e3, 3)
   request = engine.validate(prompts, 1, eos_token_id=[])

@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from cg_jax import Engine, profile
-from cg_jax.sampling import SamplingArrays
 
 def prompts_call_ms(engine, batch: int, rng, args) -> float:
   """The ("prompts", batch, prompt length) executable on fresh prompts with its first tokens on
@@ -33,12 +32,10 @@ def prompts_call_ms(engine, batch: int, rng, args) -> float:
   prompt = args.prompt_len
   exe = engine.executables.get(("prompts", batch, prompt))
   weights = engine.executables.steps.split.weights
-  sampling = SamplingArrays.host(batch, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                                 rows=np.arange(batch))
   times = []
   for _ in range(args.repeats + 1):
     tokens = rng.integers(0, engine.model_config.vocab_size, (batch, prompt)).astype(np.int32)
-    inputs = jax.device_put((tokens, np.full((batch,), prompt, np.int32), np.int32(0), sampling),
+    inputs = jax.device_put((tokens, np.full((batch,), prompt, np.int32), np.int32(0)),
                             engine.input_placement)
     cache = jax.block_until_ready(engine.kv_cache.get())
     start = time.perf_counter()

@@ -14,7 +14,9 @@ Keys (plain tuples, as `keys()` lists them):
   ("token_logprobs", batch)       the scores of the tokens a prompt executable chose
   ("score", length)               the log-probability of each token of a prompt (`echo`)
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
-  ("first", batch, greedy)        the first token from prefill's logits (the static path)
+  ("first", batch, greedy)        the first token from prompt logits: with greedy False, the
+                                  draw of a prompt call with a sampling row (batch: the batch
+                                  buckets up to PROMPT_BATCH); with True, the static path's
 
 `greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
 uses the serving phases (`SERVING_PHASES`: prompts, chunk, decode, move and, with the prefix
@@ -113,6 +115,9 @@ class ExecutableTable:
     if "chunk" in phases:
       keys += [("chunk", batch, length) for batch in self.prompt_batches()
                if batch in batch_sizes for length in prompt_lengths]
+    if "prompts" in phases or "chunk" in phases:
+      # The prompt executables pick greedily; a call with a sampling row draws from its logits.
+      keys += [("first", batch, False) for batch in self.prompt_batches() if batch in batch_sizes]
     if "move" in phases:
       keys.append(("move",))
     if "logprobs" in phases:
@@ -127,7 +132,7 @@ class ExecutableTable:
       for phase in ("first", "decode"):
         if phase in phases:
           keys += [(phase, batch, True), (phase, batch, False)]
-    return keys
+    return list(dict.fromkeys(keys))
 
   def prompt_batches(self) -> tuple[int, ...]:
     """The batch buckets up to PROMPT_BATCH: how many prompts a "prompts" or "chunk"
@@ -180,14 +185,12 @@ class ExecutableTable:
               ("cache", "cache", rep, rep, rep), "cache")
     if phase == "prompts":
       _, batch, length = key
-      return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), scalar,
-                              SamplingArrays.spec(batch)), (1,), state + (rep,) * 4,
-              (rep, rep, "cache"))
+      return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), scalar), (1,),
+              state + (rep,) * 3, (rep, rep, "cache"))
     if phase == "chunk":
       _, batch, length = key
       return (steps.chunk, (weights, cache, i32(batch, length), i32(batch), i32(batch),
-                            i32(batch), SamplingArrays.spec(batch)), (1,), state + (rep,) * 5,
-              (rep, rep, "cache"))
+                            i32(batch)), (1,), state + (rep,) * 4, (rep, rep, "cache"))
     if phase == "score":
       return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
     if phase == "logprobs":

@@ -554,13 +554,12 @@ class Scheduler:
     # Host arrays go to the executable as they are: its call copies them to the device (one
     # jax.device_put per tree costs more host time than the whole transfer).
     new, logits, cache = self.table.get(("chunk", rows, size))(
-        self.weights, self.cache.get(), tokens, slots, starts, counts,
-        self._sampling(group, rows))
+        self.weights, self.cache.get(), tokens, slots, starts, counts)
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
       live.prefilled += int(counts[b])
-    self._join(group, new, logits)
+    self._join(group, self._pick(group, new, logits, starts + counts), logits)
 
   def _first_chunks(self, fresh: list[_Live], lengths: tuple[int, ...]) -> None:
     """The first chunk of up to PROMPT_BATCH new prompts in one "prompts" call: they hold
@@ -589,13 +588,20 @@ class Scheduler:
       counts[b] = min(size, len(live.prompt))
       tokens[b, :counts[b]] = live.prompt[:counts[b]]
     new, logits, cache = self.table.get(("prompts", rows, size))(
-        self.weights, self.cache.get(), tokens, counts, np.int32(first),
-        self._sampling(group, rows))
+        self.weights, self.cache.get(), tokens, counts, np.int32(first))
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
       live.prefilled = int(counts[b])
-    self._join(group, new, logits)
+    self._join(group, self._pick(group, new, logits, counts), logits)
+
+  def _pick(self, lives: list[_Live], new, logits, positions: np.ndarray):
+    """A prompt call's next tokens: its greedy picks `new`, or, when one of `lives` samples,
+    tokens drawn from its `logits` (rows' new tokens at `positions`, int32 [rows])."""
+    if all(live.settings.greedy for live in lives):
+      return new
+    rows = len(positions)
+    return self.table.get(("first", rows, False))(logits, positions, self._sampling(lives, rows))
 
   def _load_prefix(self, live: _Live) -> list[tuple[int, int, int]]:
     """A new request's cached prompt blocks: (slot, block, pool block) pairs to copy."""

@@ -7,9 +7,8 @@ ahead of time per bucket (`cg_jax.executables`):
                                               -> (emitted[B], tokens[B], positions[B], cache)
   decode_scored(weights, cache, tokens[B], positions[B], sampling)
                                    -> (emitted[B], scores[B,E], tokens[B], positions[B], cache)
-  prompts(weights, cache, tokens[B,S], lengths[B], first, sampling)
-                                                                -> (tokens[B], logits[B,V], cache)
-  chunk(weights, cache, tokens[B,C], slots[B], starts[B], lengths[B], sampling)
+  prompts(weights, cache, tokens[B,S], lengths[B], first)      -> (tokens[B], logits[B,V], cache)
+  chunk(weights, cache, tokens[B,C], slots[B], starts[B], lengths[B])
                                                                 -> (tokens[B], logits[B,V], cache)
   token_logprobs(logits[B,V], tokens[B])                           -> scores[B,E]
   score(weights, tokens[1,S])                                      -> scores[S,E]
@@ -26,8 +25,10 @@ and by `token_logprobs` from the logits the prompt executables return. A negativ
 an idle row of a decode step (a cache slot not decoding): it writes
 nothing, and stays negative.
 
-`sampling` is a `SamplingArrays` or None (the greedy-only executable). Shape letters: the README's
-table.
+`sampling` is a `SamplingArrays` or None (the greedy-only executable). The prompt executables
+pick greedily and return their logits: a call with a sampling row draws its tokens from them with
+`first_token` (the sampling path sorts the vocabulary, a cost that greedy prompts never pay).
+Shape letters: the README's table.
 """
 
 from __future__ import annotations
@@ -134,23 +135,23 @@ class StepFunctions:
   def token_logprobs(logits, tokens):
     return token_scores(logits, tokens)
 
-  def prompts(self, weights, cache: KVCache, tokens, lengths, first, sampling):
+  def prompts(self, weights, cache: KVCache, tokens, lengths, first):
     """The first chunk of B prompts into cache rows [first, first + B) (an int32 scalar; rows
-    past the real prompts are free slots); returns each row's next token [B], sampled with
-    `sampling` (one row each), and the cache."""
+    past the real prompts are free slots); returns each row's greedy next token [B], the
+    logits it was picked from and the cache."""
     model = self.split.merge(weights)
     hidden, cache = model.prefill_hidden(tokens, lengths, cache,
                                          attention=AtRows(self.attention, first),
                                          layer_loop=self.forward.layer_loop, shards=self.shards)
     logits = self._head(model, hidden)
-    return select_tokens(logits, lengths, sampling), logits, cache
+    return select_tokens(logits, lengths, None), logits, cache
 
-  def chunk(self, weights, cache: KVCache, tokens, slots, starts, lengths, sampling):
+  def chunk(self, weights, cache: KVCache, tokens, slots, starts, lengths):
     """A later chunk of B prompts at their cache offsets: row b's first lengths[b] tokens of
     tokens [B, C] go to cache row slots[b] at positions starts[b].. (int32 [B]; the keys before
     are in the cache already; a row of length 0 is padding and writes nothing). Returns each
-    row's token after its chunk's last real token, [B] (sampled with `sampling`; meaningful
-    after a prompt's last chunk), and the cache."""
+    row's greedy token after its chunk's last real token, [B] (meaningful after a prompt's last
+    chunk), the logits it was picked from, and the cache."""
     model = self.split.merge(weights)
     size = tokens.shape[1]
     offsets = jnp.arange(size, dtype=jnp.int32)[None, :]
@@ -162,7 +163,7 @@ class StepFunctions:
     # [B, 1, D]: each row's last real token's hidden state
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = self._head(model, last[:, 0])
-    return select_tokens(logits, starts + lengths, sampling), logits, cache
+    return select_tokens(logits, starts + lengths, None), logits, cache
 
   def score(self, weights, tokens):
     """Row i of the result scores token i + 1 of tokens [1, S] given the tokens before it (the
