@@ -10,7 +10,9 @@ Variants of the ("prompts", B, S) executable:
   packed      host-out, with tokens, lengths and the first slot in one int32 array (one
               transfer instead of three)
 Variants of the greedy ("decode", B, True) step: base, host-out (the emitted tokens in pinned
-host memory).
+host memory), idle-rows (the rows padded up to `min_matmul_rows` are idle rows, position -1,
+that the attention takes too, as batch-invariant steps do: no slice to the real rows and no pad
+of the attention output; the vocabulary product and token choice on the padded rows).
 
 Per variant: the direct call (NumPy inputs, new tokens read back; host time of the call's
 dispatch and of the whole), and `generate`'s TTFT (max_new_tokens=1) or per-token time (128
@@ -22,6 +24,7 @@ new tokens), medians.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -32,7 +35,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from bench_util import git_commit
-from cg_jax import Engine
+from cg_jax import Engine, profile
 
 
 def _compile(engine, key, fn, args, donate, in_shardings, out_shardings):
@@ -87,7 +90,12 @@ def decode_variants(engine, key):
   def call(*inputs):
     *state, emitted = exe(*inputs)
     return (emitted, *state)
-  return {"base": table.get(key), "host-out": call}
+  forward = dataclasses.replace(table.steps.forward, batch_invariant=True)
+  idle = dataclasses.replace(table.steps, forward=forward)
+  options = engine.config.xla_options
+  idle_exe = jax.jit(idle.decode, donate_argnums=donate).lower(*args).compile(
+      compiler_options=options)
+  return {"base": table.get(key), "host-out": call, "idle-rows": idle_exe}
 
 
 def direct(engine, exe, batch, length, rng, repeats=15):
@@ -153,6 +161,8 @@ def main():
       rows.append(row)
       print(row, flush=True)
     key = ("decode", batch, True)
+    fixed = np.random.default_rng(1).integers(0, vocab, (batch, length)).tolist()
+    reference = None
     for variant, exe in decode_variants(engine, key).items():
       base = table.compiled[key]
       table.compiled[key] = exe
@@ -161,7 +171,11 @@ def main():
         runs = [per_token() for _ in range(max(3, args.repeats // 3))]
         row = {"model": name, "batch": batch, "part": "decode", "variant": variant,
                "generate_us_per_token": statistics.median(r[0] for r in runs),
-               "generate_ttft_ms": statistics.median(r[1] for r in runs)}
+               "generate_ttft_ms": statistics.median(r[1] for r in runs),
+               "step_us": profile.time_decode(engine, batch, position=length)["step_us"]}
+        tokens = engine.generate(fixed, max_new_tokens=32, eos_token_id=[])
+        reference = tokens if reference is None else reference
+        row["tokens_equal_base"] = list(tokens) == list(reference)
       finally:
         table.compiled[key] = base
       rows.append(row)
