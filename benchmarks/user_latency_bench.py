@@ -50,7 +50,7 @@ def run(model_dir: str, gemm: str, args, rng) -> list[dict]:
   prompt = args.prompt_len
   engine = Engine.from_pretrained(model_dir, dtype=args.dtype, max_seq_len=args.max_len,
                                   batch_buckets=(1, 8), prompt_buckets=(prompt,),
-                                  prefill_gemm=gemm)
+                                  prefill_gemm=None if gemm == "default" else gemm)
   start = time.perf_counter()
   engine.warmup(progress=False)
   warmup_s = time.perf_counter() - start
@@ -65,7 +65,8 @@ def run(model_dir: str, gemm: str, args, rng) -> list[dict]:
       per_token.append(stats["per_token_s"] * 1e6)
     step = profile.time_decode(engine, batch, position=prompt)["step_us"]
     row = dict(model=os.path.basename(model_dir.rstrip("/")), system="cg_jax", batch=batch,
-               prefill_gemm=gemm, prompt_len=prompt, new_tokens=args.new_tokens,
+               prefill_gemm=engine.config.prefill_gemm, prompt_len=prompt,
+               new_tokens=args.new_tokens,
                ttft_ms=statistics.median(ttft[1:]), generate_token_us=statistics.median(
                    per_token[1:]), step_us=step,
                prompts_call_ms=prompts_call_ms(engine, batch, rng, args),
@@ -80,7 +81,8 @@ def run(model_dir: str, gemm: str, args, rng) -> list[dict]:
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--models", required=True, help="comma-separated checkpoint directories")
-  parser.add_argument("--gemms", default="cublas,xla")
+  parser.add_argument("--gemms", default="cublas,xla",
+                      help="prefill_gemm values; 'default' is the engine's choice for the model")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--prompt-len", type=int, default=512)
   parser.add_argument("--max-len", type=int, default=1024)
