@@ -6,7 +6,6 @@ Variants of the ("prompts", B, S) executable:
   base        the engine's
   host-out    its next tokens written to pinned host memory by the executable (the read-back
               needs no device-to-host transfer of its own)
-  host-io     host-out, with its request arrays taken from pinned host memory too
   packed      host-out, with tokens, lengths and the first slot in one int32 array (one
               transfer instead of three)
 Variants of the greedy ("decode", B, True) step: base, host-out (the emitted tokens in pinned
@@ -54,14 +53,6 @@ def prompt_variants(engine, key):
   batch, length = key[1], key[2]
   variants = {"base": table.get(key)}
   variants["host-out"] = _compile(engine, key, fn, args, donate, None, (host, device, device))
-
-  def to_device(*arrays):
-    return [jax.device_put(a, device) for a in arrays]
-
-  def from_host(w, c, tokens, lengths, first):
-    return fn(w, c, *to_device(tokens, lengths, first))
-  variants["host-io"] = _compile(engine, key, from_host, args, donate,
-                                 (device, device, host, host, host), (host, device, device))
 
   def unpack(w, c, packed):
     tokens = packed[:batch * length].reshape(batch, length)
@@ -132,7 +123,7 @@ def main():
   name = os.path.basename(args.checkpoint.rstrip("/"))
   engine = Engine.from_pretrained(args.checkpoint, dtype="bfloat16", max_seq_len=2 * length,
                                   batch_buckets=batches, prompt_buckets=(length,))
-  engine.warmup(progress=False)
+  engine.warmup(phases=("prompts", "decode", "move", "prefix"), progress=False)
   table, vocab = engine.executables, engine.model_config.vocab_size
   rng = np.random.default_rng(0)
   rows = []
@@ -156,6 +147,9 @@ def main():
         row = {"model": name, "batch": batch, "part": "prompts", "variant": variant,
                "dispatch_ms": dispatch_ms, "call_readback_ms": call_ms,
                "generate_ttft_ms": statistics.median(ttft() for _ in range(args.repeats))}
+      except Exception as error:  # noqa: BLE001 - a failed variant is a row
+        row = {"model": name, "batch": batch, "part": "prompts", "variant": variant,
+               "error": f"{type(error).__name__}: {error}"[:300]}
       finally:
         table.compiled[key] = base
       rows.append(row)
@@ -176,6 +170,9 @@ def main():
         tokens = engine.generate(fixed, max_new_tokens=32, eos_token_id=[])
         reference = tokens if reference is None else reference
         row["tokens_equal_base"] = list(tokens) == list(reference)
+      except Exception as error:  # noqa: BLE001 - a failed variant is a row
+        row = {"model": name, "batch": batch, "part": "decode", "variant": variant,
+               "error": f"{type(error).__name__}: {error}"[:300]}
       finally:
         table.compiled[key] = base
       rows.append(row)
