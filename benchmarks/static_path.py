@@ -162,7 +162,7 @@ class StaticPath:
     step, calls, reader = 1, 0, host_io.AsyncReader()
 
     decode = table.get(("decode", batch.batch, greedy))
-    tokens, positions = first, batch.lengths
+    tokens, positions = host_tokens, batch.lengths
     while True:
       # Launch step N+1 (up to `lag` steps ahead) before reading step N's tokens.
       while not np.all(done) and calls < request.max_new_tokens - 1 and len(reader) <= lag:

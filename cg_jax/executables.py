@@ -50,11 +50,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import serialize_executable
+from jax.sharding import SingleDeviceSharding
 from tqdm.auto import tqdm
 
 import models
 
-from cg_jax import compile_stats
+from cg_jax import compile_stats, host_io
 from cg_jax.config import EngineConfig
 from cg_jax.sampling import SamplingArrays
 from cg_jax.sharding import TensorParallel
@@ -186,22 +187,22 @@ class ExecutableTable:
     if phase == "prompts":
       _, batch, length = key
       return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), scalar), (1,),
-              state + (rep,) * 3, (rep, rep, "cache"))
+              state + (rep,) * 3, ("host", rep, "cache"))
     if phase == "chunk":
       _, batch, length = key
       return (steps.chunk, (weights, cache, i32(batch, length), i32(batch), i32(batch),
-                            i32(batch)), (1,), state + (rep,) * 4, (rep, rep, "cache"))
+                            i32(batch)), (1,), state + (rep,) * 4, ("host", rep, "cache"))
     if phase == "score":
       return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
     if phase == "logprobs":
       batch = key[1]
       return (steps.decode_scored, (weights, cache, i32(batch), i32(batch),
                                     SamplingArrays.spec(batch)), (1, 2, 3),
-              state + (rep, rep, rep), (rep, rep, rep, rep, "cache"))
+              state + (rep, rep, rep), (rep, rep, "cache", "host", "host"))
     if phase == "token_logprobs":
       batch = key[1]
       logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
-      return steps.token_logprobs, (logits, i32(batch)), (), (rep, rep), rep
+      return steps.token_logprobs, (logits, i32(batch)), (), (rep, rep), "host"
     _, batch, extra = key
     if phase == "prefill":
       return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch)), (1,),
@@ -209,20 +210,24 @@ class ExecutableTable:
     sampling = None if extra else SamplingArrays.spec(batch)
     if phase == "first":
       logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
-      return (steps.first_token, (logits, i32(batch), sampling), (), (rep, rep, rep), rep)
+      return (steps.first_token, (logits, i32(batch), sampling), (), (rep, rep, rep), "host")
     if phase == "decode":
       return (steps.decode, (weights, cache, i32(batch), i32(batch), sampling), (1, 2, 3),
-              state + (rep, rep, rep), (rep, rep, rep, "cache"))
+              state + (rep, rep, rep), (rep, rep, "cache", "host"))
     raise KeyError(key)
 
   def lower(self, key: tuple):
     """The `jax.stages.Lowered` of a key."""
     fn, args, donate, inputs, outputs = self.signature(key)
     if self.parallel is None:
-      return jax.jit(fn, donate_argnums=donate).lower(*args)
-    placement = {"weights": [w.sharding for w in self.steps.split.weights],
-                 "cache": KVCache(k=self.parallel.cache(), v=self.parallel.cache()),
-                 "replicated": self.parallel.replicated()}
+      device = SingleDeviceSharding(jax.devices()[0])
+      placement = {"weights": device, "cache": device, "replicated": device,
+                   "host": device.with_memory_kind(host_io.PINNED_HOST)}
+    else:
+      placement = {"weights": [w.sharding for w in self.steps.split.weights],
+                   "cache": KVCache(k=self.parallel.cache(), v=self.parallel.cache()),
+                   "replicated": self.parallel.replicated(),
+                   "host": self.parallel.replicated(host_io.PINNED_HOST)}
     outs = (tuple(placement[n] for n in outputs) if isinstance(outputs, tuple)
             else placement[outputs])
     return jax.jit(fn, donate_argnums=donate, in_shardings=tuple(placement[n] for n in inputs),

@@ -215,7 +215,7 @@ def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
   start = time.perf_counter()
   for _ in range(steps):
     call = time.perf_counter()
-    _, tokens, positions, cache = decode(weights, cache, tokens, positions, None)
+    tokens, positions, cache, _ = decode(weights, cache, tokens, positions, None)
     dispatch.append(time.perf_counter() - call)
     if read_back:
       np.asarray(tokens)

@@ -641,7 +641,7 @@ class Scheduler:
     done = [(b, live) for b, live in enumerate(lives) if live.prefilled == len(live.prompt)]
     scores = None
     if any(live.logprobs is not None for _, live in done):
-      scores = np.asarray(self.table.get(("token_logprobs", len(tokens)))(logits, new))
+      scores = np.asarray(self.table.get(("token_logprobs", len(tokens)))(logits, tokens))
     done = [(live, int(tokens[b]), None if scores is None else scores[b]) for b, live in done]
     for live, _, _ in done:
       live.position, live.decoding = len(live.prompt), True
@@ -719,9 +719,9 @@ class Scheduler:
     key = ("logprobs", batch) if scored else ("decode", batch, greedy)
     outputs = self.table.get(key)(self.weights, self.cache.get(), tokens, positions, sampling)
     if scored:
-      emitted, scores, tokens, positions, cache = outputs
+      tokens, positions, cache, emitted, scores = outputs
     else:
-      (emitted, tokens, positions, cache), scores = outputs, None
+      (tokens, positions, cache, emitted), scores = outputs, None
     self.cache.set(cache)
     self._inputs = (tokens, positions, sampling)
     self._reader.push((emitted, scores), rows)

@@ -4,9 +4,9 @@ ahead of time per bucket (`cg_jax.executables`):
   prefill(weights, cache, tokens[B,S], lengths[B])                 -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
   decode(weights, cache, tokens[B], positions[B], sampling)
-                                              -> (emitted[B], tokens[B], positions[B], cache)
+                                              -> (tokens[B], positions[B], cache, emitted[B])
   decode_scored(weights, cache, tokens[B], positions[B], sampling)
-                                   -> (emitted[B], scores[B,E], tokens[B], positions[B], cache)
+                                   -> (tokens[B], positions[B], cache, emitted[B], scores[B,E])
   prompts(weights, cache, tokens[B,S], lengths[B], first)      -> (tokens[B], logits[B,V], cache)
   chunk(weights, cache, tokens[B,C], slots[B], starts[B], lengths[B])
                                                                 -> (tokens[B], logits[B,V], cache)
@@ -121,15 +121,16 @@ class StepFunctions:
   def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
     next_tokens, _, next_positions, cache = self._next(weights, cache, tokens, positions,
                                                        sampling, scored=False)
-    # `emitted` is a copy for the host to read back asynchronously: `next_tokens` is donated
-    # into the following step, which may start before the read-back finishes.
-    return next_tokens, next_tokens, next_positions, cache
+    # `emitted` is the copy the host reads (the executables write it to host memory):
+    # `next_tokens` is donated into the following step. It comes after the donated state, so
+    # that each donated input's buffer is reused by the output of its own kind.
+    return next_tokens, next_positions, cache, next_tokens
 
   def decode_scored(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays):
     """`decode`, with the new tokens' scores."""
     next_tokens, scores, next_positions, cache = self._next(weights, cache, tokens, positions,
                                                             sampling, scored=True)
-    return next_tokens, scores, next_tokens, next_positions, cache
+    return next_tokens, next_positions, cache, next_tokens, scores
 
   @staticmethod
   def token_logprobs(logits, tokens):
