@@ -25,7 +25,7 @@
 #                  (CELLS0 / CELLS1: each GPU's model:max_len:gemms list; BATCHES)
 #   tp             tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
-#   ttft           where generate's TTFT goes beyond the prefill (ttft_probe.py, gpt2 and
+#   ttft           where generate's TTFT goes (ttft_probe.py) and the host-path A/B (host_path_probe.py), gpt2 and
 #                  llama-3.2-1b)
 #   invariance     batch invariance and its cost (batch_invariance_bench.py)
 #   tp-8b          llama-3.1-8b on one GPU (tp_bench.py: decode B=1/8/32, TTFT)
@@ -168,6 +168,7 @@ fi
 if has ttft; then
   for model in gpt2 llama-3.2-1b; do
     run "ttft-$model" 120 python3 benchmarks/ttft_probe.py --checkpoint "/tmp/ck/$model"
+    run "host-path-$model" 220 python3 benchmarks/host_path_probe.py --checkpoint "/tmp/ck/$model"
   done
 fi
 if has invariance; then

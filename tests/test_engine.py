@@ -112,6 +112,25 @@ def test_compile_counter_counts(engine):
 # Generation semantics
 
 
+def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
+  """The tokens a prompt call and a decode step hand to the host are written to pinned host
+  memory by the executables themselves (no transfer of their own on the read-back path:
+  results/ttft_host_path_h200.md); logits and the donated state stay on the device."""
+  buckets, table = engine.config.buckets, engine.executables
+  batch, length = buckets.batch_sizes[0], buckets.prompt_lengths[0]
+  weights, ones = table.steps.split.weights, np.ones((batch,), np.int32)
+  with engine._scheduler.exclusive():
+    new, logits, cache = table.get(("prompts", batch, length))(
+        weights, engine.kv_cache.get(), np.ones((batch, length), np.int32), ones, np.int32(0))
+    tokens, _, cache, emitted = table.get(("decode", batch, True))(
+        weights, cache, np.asarray(new), ones, None)
+    engine.kv_cache.set(cache)
+  assert new.sharding.memory_kind == emitted.sharding.memory_kind == "pinned_host"
+  assert logits.sharding.memory_kind == tokens.sharding.memory_kind == "device"
+  assert cache.k.sharding.memory_kind == "device"
+  assert np.asarray(emitted).tolist() == np.asarray(tokens).tolist()
+
+
 def test_mixed_length_batch_equals_each_prompt_alone(engine):
   prompts = _prompts(2, [1, 17, 6, 32])
   together = engine.generate(prompts, max_new_tokens=12, eos_token_id=[])
