@@ -21,12 +21,15 @@ Keys (plain tuples, as `keys()` lists them):
 `greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
 uses the serving phases (`SERVING_PHASES`: prompts, chunk, decode, move and, with the prefix
 cache on, "prefix": pool, load, save) and, for requests with log-probabilities, "logprobs"
-(logprobs, token_logprobs, score: compiled on first use unless warmed up); the static ones
-("prefill", "first") serve benchmarks and profiles.
+(logprobs, token_logprobs, score: compiled on first use unless warmed up); the static
+"prefill" and the greedy "first" serve benchmarks and profiles.
 The prompt executables (`PREFILL_KINDS`) compile with `EngineConfig.prefill_xla_options` (their
 GEMM backend), the others with `EngineConfig.xla_options`.
-Every executable takes and returns the same placements, and the decode state (cache, tokens,
-positions) is donated, so each output reuses its input's buffer from step to step.
+Every executable takes its inputs on the device (or the tensor-parallel mesh). The outputs the
+host reads (new tokens, scores) are written to pinned host memory by the executable itself: a
+device output would cost a transfer of its own after it is ready, on the time to first token
+(benchmarks/results/ttft_host_path_h200.md). The decode state (cache, tokens, positions) is
+donated, so each output reuses its input's buffer from step to step.
 
 With a store directory (the engine's compilation cache directory), each compiled executable is
 also kept there serialized, named by a digest of the key, the model and engine configs, the
