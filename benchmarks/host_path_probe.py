@@ -3,15 +3,17 @@ variants of the engine's own executables are compiled beside them and swapped in
 so `generate` runs each in turn on the same machine and weights.
 
 Variants of the ("prompts", B, S) executable:
-  base        the engine's
-  host-out    its next tokens written to pinned host memory by the executable (the read-back
-              needs no device-to-host transfer of its own)
-  packed      host-out, with tokens, lengths and the first slot in one int32 array (one
-              transfer instead of three)
-Variants of the greedy ("decode", B, True) step: base, host-out (the emitted tokens in pinned
-host memory), idle-rows (the rows padded up to `min_matmul_rows` are idle rows, position -1,
-that the attention takes too, as batch-invariant steps do: no slice to the real rows and no pad
-of the attention output; the vocabulary product and token choice on the padded rows).
+  base        the engine's (its next tokens written to pinned host memory by the executable)
+  device-out  its next tokens left in device memory and copied to the host after the call (the
+              engine before 8cc9016)
+  packed      base, with tokens, lengths and the first slot in one int32 array (one transfer
+              instead of three)
+Variants of the greedy ("decode", B, True) step: base, device-out (the emitted tokens in device
+memory), idle-rows (the rows padded up to `min_matmul_rows` are idle rows, position -1, that the
+attention takes too, as batch-invariant steps do: no slice to the real rows and no pad of the
+attention output; the vocabulary product and token choice on the padded rows).
+(Taking the request arrays from pinned host memory was tried: NumPy arguments of such an input
+land in device memory on the GPU, and the executable refuses them.)
 
 Per variant: the direct call (NumPy inputs, new tokens read back; host time of the call's
 dispatch and of the whole), and `generate`'s TTFT (max_new_tokens=1) or per-token time (128
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -44,15 +47,19 @@ def _compile(engine, key, fn, args, donate, in_shardings, out_shardings):
                  out_shardings=out_shardings).lower(*args).compile(compiler_options=options)
 
 
+def _placements():
+  device = SingleDeviceSharding(jax.devices()[0])
+  return device, device.with_memory_kind("pinned_host")
+
+
 def prompt_variants(engine, key):
   """{name: callable taking the scheduler's prompt-call arguments}."""
   table = engine.executables
   fn, args, donate, _, _ = table.signature(key)
-  device = SingleDeviceSharding(jax.devices()[0])
-  host = device.with_memory_kind("pinned_host")
+  device, host = _placements()
   batch, length = key[1], key[2]
-  variants = {"base": table.get(key)}
-  variants["host-out"] = _compile(engine, key, fn, args, donate, None, (host, device, device))
+  variants = {"base": table.get(key),
+              "device-out": _compile(engine, key, fn, args, donate, None, (device,) * 3)}
 
   def unpack(w, c, packed):
     tokens = packed[:batch * length].reshape(batch, length)
@@ -69,24 +76,28 @@ def prompt_variants(engine, key):
 def decode_variants(engine, key):
   table = engine.executables
   fn, args, donate, _, _ = table.signature(key)
-  device = SingleDeviceSharding(jax.devices()[0])
-  host = device.with_memory_kind("pinned_host")
-  # The emitted copy goes last: donated inputs alias outputs of their shape in order, and a
-  # device buffer must not alias the host output.
-  def emitted_last(*inputs):
-    emitted, *state = fn(*inputs)
-    return (*state, emitted)
-  exe = _compile(engine, key, emitted_last, args, donate, None, (device, device, device, host))
-
-  def call(*inputs):
-    *state, emitted = exe(*inputs)
-    return (emitted, *state)
+  device, host = _placements()
   forward = dataclasses.replace(table.steps.forward, batch_invariant=True)
   idle = dataclasses.replace(table.steps, forward=forward)
-  options = engine.config.xla_options
-  idle_exe = jax.jit(idle.decode, donate_argnums=donate).lower(*args).compile(
-      compiler_options=options)
-  return {"base": table.get(key), "host-out": call, "idle-rows": idle_exe}
+  return {"base": table.get(key),
+          "device-out": _compile(engine, key, fn, args, donate, None, (device,) * 4),
+          "idle-rows": _compile(engine, key, idle.decode, args, donate, None,
+                                (device, device, device, host))}
+
+
+def swapped(table, key, exe, measure, row: dict) -> dict:
+  """`row` with `measure()`'s numbers while `exe` stands in for the table's `key` (or with the
+  error it raised: a failed variant is a row)."""
+  base = table.compiled[key]
+  table.compiled[key] = exe
+  try:
+    row.update(measure())
+  except Exception as error:  # noqa: BLE001
+    row["error"] = f"{type(error).__name__}: {error}"[:300]
+  finally:
+    table.compiled[key] = base
+  print(row, flush=True)
+  return row
 
 
 def direct(engine, exe, batch, length, rng, repeats=15):
@@ -137,46 +148,31 @@ def main():
       stats = engine.generate(prompts, max_new_tokens=args.new_tokens, eos_token_id=[]).stats
       return stats["per_token_s"] * 1e6, stats["ttft_s"] * 1e3
 
-    key = ("prompts", batch, length)
-    for variant, exe in prompt_variants(engine, key).items():
-      base = table.compiled[key]
-      table.compiled[key] = exe
-      try:
-        dispatch_ms, call_ms = direct(engine, exe, batch, length, rng)
-        ttft()
-        row = {"model": name, "batch": batch, "part": "prompts", "variant": variant,
-               "dispatch_ms": dispatch_ms, "call_readback_ms": call_ms,
-               "generate_ttft_ms": statistics.median(ttft() for _ in range(args.repeats))}
-      except Exception as error:  # noqa: BLE001 - a failed variant is a row
-        row = {"model": name, "batch": batch, "part": "prompts", "variant": variant,
-               "error": f"{type(error).__name__}: {error}"[:300]}
-      finally:
-        table.compiled[key] = base
-      rows.append(row)
-      print(row, flush=True)
-    key = ("decode", batch, True)
+    def prompt_row(exe):
+      dispatch_ms, call_ms = direct(engine, exe, batch, length, rng)
+      ttft()
+      return {"dispatch_ms": dispatch_ms, "call_readback_ms": call_ms,
+              "generate_ttft_ms": statistics.median(ttft() for _ in range(args.repeats))}
+
     fixed = np.random.default_rng(1).integers(0, vocab, (batch, length)).tolist()
-    reference = None
-    for variant, exe in decode_variants(engine, key).items():
-      base = table.compiled[key]
-      table.compiled[key] = exe
-      try:
-        per_token()
-        runs = [per_token() for _ in range(max(3, args.repeats // 3))]
-        row = {"model": name, "batch": batch, "part": "decode", "variant": variant,
-               "generate_us_per_token": statistics.median(r[0] for r in runs),
-               "generate_ttft_ms": statistics.median(r[1] for r in runs),
-               "step_us": profile.time_decode(engine, batch, position=length)["step_us"]}
-        tokens = engine.generate(fixed, max_new_tokens=32, eos_token_id=[])
-        reference = tokens if reference is None else reference
-        row["tokens_equal_base"] = list(tokens) == list(reference)
-      except Exception as error:  # noqa: BLE001 - a failed variant is a row
-        row = {"model": name, "batch": batch, "part": "decode", "variant": variant,
-               "error": f"{type(error).__name__}: {error}"[:300]}
-      finally:
-        table.compiled[key] = base
-      rows.append(row)
-      print(row, flush=True)
+    reference = []
+
+    def decode_row():
+      per_token()
+      runs = [per_token() for _ in range(max(3, args.repeats // 3))]
+      tokens = [list(t) for t in engine.generate(fixed, max_new_tokens=32, eos_token_id=[])]
+      reference[:] = reference or tokens
+      return {"generate_us_per_token": statistics.median(r[0] for r in runs),
+              "generate_ttft_ms": statistics.median(r[1] for r in runs),
+              "step_us": profile.time_decode(engine, batch, position=length)["step_us"],
+              "tokens_equal_base": tokens == reference}
+
+    for part, variants, measure in (("prompts", prompt_variants, prompt_row),
+                                    ("decode", decode_variants, lambda _: decode_row())):
+      key = (part, batch, length) if part == "prompts" else (part, batch, True)
+      for variant, exe in variants(engine, key).items():
+        row = {"model": name, "batch": batch, "part": part, "variant": variant}
+        rows.append(swapped(table, key, exe, functools.partial(measure, exe), row))
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
           "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "prompt_len": length}
   with open(os.path.join(args.out, f"host_path_{name}.json"), "w") as f:
