@@ -27,6 +27,9 @@
 #   baselines      PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
 #   ttft           where generate's TTFT goes (ttft_probe.py) and the host-path A/B (host_path_probe.py), gpt2 and
 #                  llama-3.2-1b)
+#   user-latency   generate's TTFT and per-token time (user_latency_bench.py, default GEMMs) and
+#                  the best TTFT peers (gpt2 torch_compile, llama-3.2-1b torch_gptfast; PEERS)
+#   ttft-peers     the other two TTFT peer cells (a second call; PEERS)
 #   invariance     batch invariance and its cost (batch_invariance_bench.py)
 #   tp-8b          llama-3.1-8b on one GPU (tp_bench.py: decode B=1/8/32, TTFT)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
@@ -161,7 +164,7 @@ fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py
 fi
-if has ttft || has invariance; then  # issues #18 and #20
+if has ttft || has invariance || has user-latency || has ttft-peers; then  # issues #18 and #20
   python3 benchmarks/make_checkpoints.py --out-dir /tmp/ck --models gpt2,llama-3.2-1b \
     > "$out/checkpoints.log" 2>&1
 fi
@@ -186,6 +189,25 @@ if has comparison; then
   echo "=== comparison ($(date +%T)) ==="
   python3 benchmarks/comparison_session.py --out "$out" --deadline-s "${DEADLINE_S:-540}" 2>&1 \
     | grep -v -i warning | tail -40
+fi
+if has user-latency; then  # what generate users see (typically 100 s), then its peers below
+  echo "=== user-latency (limit 240s, $(date +%T)) ==="
+  mkdir -p "$out/user-latency"
+  timeout 240 python3 benchmarks/user_latency_bench.py --models /tmp/ck/gpt2,/tmp/ck/llama-3.2-1b \
+    --gemms default --out "$out/user-latency/user_latency.json" 2>&1 | grep -v -i warning | tail -8
+fi
+if has user-latency || has ttft-peers; then
+  # cells model:system; the default list fits one call after user-latency's rows
+  cells=${PEERS:-gpt2:torch_compile,llama-3.2-1b:torch_gptfast}
+  has ttft-peers && cells=${PEERS:-llama-3.2-1b:torch_compile,gpt2:torch_gptfast}
+  mkdir -p "$out/user-latency"
+  for cell in ${cells//,/ }; do
+    echo "=== peer $cell ($(date +%T)) ==="
+    # torch_gptfast compiles its decode and prefill graphs for about three minutes.
+    timeout 240 python3 benchmarks/torch_baselines.py --system "${cell#*:}" \
+      --model-dir "/tmp/ck/${cell%%:*}" --batches 1,8 --position 512 --max-len 1024 \
+      --no-profile --out "$out/user-latency/peers.json" 2>&1 | tail -3
+  done
 fi
 if has baselines; then
   echo "=== baselines ($(date +%T)) ==="
