@@ -30,6 +30,10 @@
 #   user-latency   generate's TTFT and per-token time (user_latency_bench.py, default GEMMs) and
 #                  the best TTFT peers (gpt2 torch_compile, llama-3.2-1b torch_gptfast; PEERS)
 #   ttft-peers     the other two TTFT peer cells (a second call; PEERS)
+#                  (PEERS: space-separated model:system[:batches] cells, batches 1,8 by default)
+#   prompt-dispatch  the prompt call's host time before the GPU starts (prompt_dispatch_probe.py,
+#                  gpt2 and llama-3.2-1b; then gpt2 B=8 under the command-buffer log)
+#   decode-kernels the decode step's kernels by kind (decode_kernels.py; DECODE_CELLS model:batch)
 #   invariance     batch invariance and its cost (batch_invariance_bench.py)
 #   tp-8b          llama-3.1-8b on one GPU (tp_bench.py: decode B=1/8/32, TTFT)
 #   comparison     the whole cg_jax-against-PyTorch comparison over every GPU of the host
@@ -164,7 +168,8 @@ fi
 if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency (issue #9)
   run tp 500 python3 benchmarks/tp_bench.py
 fi
-if has ttft || has invariance || has user-latency || has ttft-peers; then  # issues #18 and #20
+if has ttft || has invariance || has user-latency || has ttft-peers || has prompt-dispatch \
+    || has decode-kernels; then  # issues #18 and #20
   python3 benchmarks/make_checkpoints.py --out-dir /tmp/ck --models gpt2,llama-3.2-1b \
     > "$out/checkpoints.log" 2>&1
 fi
@@ -198,16 +203,43 @@ if has user-latency; then  # what generate users see (typically 100 s), then its
 fi
 if has user-latency || has ttft-peers; then
   # cells model:system; the default list fits one call after user-latency's rows
-  cells=${PEERS:-gpt2:torch_compile,llama-3.2-1b:torch_gptfast}
-  has ttft-peers && cells=${PEERS:-llama-3.2-1b:torch_compile,gpt2:torch_gptfast}
+  cells=${PEERS:-gpt2:torch_compile llama-3.2-1b:torch_gptfast}
+  has ttft-peers && cells=${PEERS:-llama-3.2-1b:torch_compile gpt2:torch_gptfast}
   mkdir -p "$out/user-latency"
-  for cell in ${cells//,/ }; do
+  for cell in $cells; do
+    IFS=: read -r model system batches <<< "$cell"
     echo "=== peer $cell ($(date +%T)) ==="
-    # torch_gptfast compiles its decode and prefill graphs for about three minutes.
-    timeout 240 python3 benchmarks/torch_baselines.py --system "${cell#*:}" \
-      --model-dir "/tmp/ck/${cell%%:*}" --batches 1,8 --position 512 --max-len 1024 \
+    # torch_gptfast compiles its decode and prefill graphs for about 100 s a batch.
+    timeout 240 python3 benchmarks/torch_baselines.py --system "$system" \
+      --model-dir "/tmp/ck/$model" --batches "${batches:-1,8}" --position 512 --max-len 1024 \
       --no-profile --out "$out/user-latency/peers.json" 2>&1 | tail -3
   done
+fi
+if has prompt-dispatch; then
+  for model in gpt2 llama-3.2-1b; do
+    run "prompt-dispatch-$model" 110 python3 benchmarks/prompt_dispatch_probe.py \
+      --checkpoint "/tmp/ck/$model"
+  done
+fi
+if has decode-kernels; then
+  for cell in ${DECODE_CELLS:-gpt2:32}; do
+    run "decode-kernels-${cell%%:*}" 90 python3 benchmarks/decode_kernels.py \
+      --checkpoint "/tmp/ck/${cell%%:*}" --batch "${cell#*:}"
+  done
+fi
+if has prompt-dispatch; then  # the prompt graph's updates per call, from XLA's own log
+  echo "=== prompt-dispatch-vlog ($(date +%T)) ==="
+  mkdir -p "$out/prompt-dispatch-vlog"
+  TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 \
+    timeout 80 python3 benchmarks/prompt_dispatch_probe.py --checkpoint /tmp/ck/gpt2 --batches 8 \
+    --out "$out/prompt-dispatch-vlog" > "$out/prompt-dispatch-vlog.log" 2>&1
+  grep -o -E "num_commands=[0-9]+; updated_allocs=[0-9]+" "$out/prompt-dispatch-vlog.log" \
+    | sort | uniq -c | sort -rn | head -8
+  grep -o -E "Updated [0-9]+ commands in [0-9.]+ [mu]s \(skipped [0-9]+" \
+    "$out/prompt-dispatch-vlog.log" | sed -E 's/in [0-9.]+/in N/' | sort | uniq -c | sort -rn | head -8
+  grep -o -E "Updated [0-9]+ commands in [0-9.]+ [mu]s" "$out/prompt-dispatch-vlog.log" | tail -4
+  grep -E "^gpt2" "$out/prompt-dispatch-vlog.log" | tail -2
+  gzip "$out/prompt-dispatch-vlog.log"
 fi
 if has baselines; then
   echo "=== baselines ($(date +%T)) ==="

@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 
-def block_digests(prompt: Sequence[int], block: int) -> list[bytes]:
-  """The chained digest of each full block of `prompt`."""
-  tokens = np.asarray(prompt, np.int32)
-  digests, previous = [], b""
-  for i in range(len(tokens) // block):
-    previous = hashlib.blake2b(previous + tokens[i * block:(i + 1) * block].tobytes(),
-                               digest_size=16).digest()
-    digests.append(previous)
-  return digests
+def block_digests(prompt: Sequence[int], block: int) -> Iterator[bytes]:
+  """The chained digest of each full block of `prompt`, in order (lazily: a lookup that misses
+  its first block hashes one block, not the whole prompt)."""
+  data = np.asarray(prompt, np.int32).tobytes()
+  width, previous = block * 4, b""
+  for start in range(0, len(data) - width + 1, width):
+    previous = hashlib.blake2b(previous + data[start:start + width], digest_size=16).digest()
+    yield previous
 
 
 class PrefixIndex:
@@ -53,8 +52,7 @@ class PrefixIndex:
     """Pool ids of the cached blocks that start `prompt`, covering at most len(prompt) - 1
     tokens, in a multiple of `multiple` blocks; counts a hit or a miss."""
     found = []
-    digests = block_digests(prompt[:len(prompt) - 1], self.block)
-    for digest in digests:
+    for digest in block_digests(prompt[:len(prompt) - 1], self.block):
       if digest not in self._ids:
         break
       found.append(digest)
@@ -69,7 +67,7 @@ class PrefixIndex:
     """Pool ids to write `prompt`'s full blocks to (None: already cached, or no block left to
     evict). A new block takes a free one or evicts the least recently used block outside this
     prompt."""
-    digests = block_digests(prompt, self.block)
+    digests = list(block_digests(prompt, self.block))
     own = set(digests)
     targets: list[int | None] = []
     for digest in digests:

@@ -333,6 +333,7 @@ class Scheduler:
     self._slots: list[_Live] = []  # occupied slots [0, n)
     self._reader = host_io.AsyncReader()  # (tokens, [live per row]) of steps in flight
     self._inputs = None  # the decode inputs on the device, or None once the batch changed
+    self._unsaved: list[_Live] = []  # prefilled this iteration; their blocks go to the pool
     self._thread: threading.Thread | None = None
     self._closed = False
     self._resume = True  # False while a swapped-out cache should stay out
@@ -441,7 +442,7 @@ class Scheduler:
   def _fail_all(self, error: BaseException) -> None:
     with self._wakeup:
       lives = list(self._slots) + list(self._waiting)
-      self._slots, self._inputs = [], None
+      self._slots, self._inputs, self._unsaved = [], None, []
       self._waiting.clear()
     self._reader = host_io.AsyncReader()
     for live in lives:
@@ -461,6 +462,9 @@ class Scheduler:
       self._admit()
     self._prefill()
     self._decode()
+    if self._unsaved:  # after the decode step is on its way: the hashing overlaps it
+      self._save_prefix(self._unsaved)
+      self._unsaved = []
 
   def _drain(self) -> None:
     while len(self._reader):
@@ -635,7 +639,7 @@ class Scheduler:
 
   def _join(self, lives: list[_Live], new, logits) -> None:
     """Requests whose chunk completed their prompt join the decode batch with its token `new`
-    (their blocks go into the prefix cache); the token's scores come from `logits` (both on
+    (their blocks go into the prefix cache at the end of the iteration); the token's scores come from `logits` (both on
     the device) only for requests that asked for log-probabilities."""
     tokens = np.asarray(new)
     done = [(b, live) for b, live in enumerate(lives) if live.prefilled == len(live.prompt)]
@@ -648,7 +652,7 @@ class Scheduler:
       self._inputs = None
     self._deliver(done)
     if self.prefix is not None:
-      self._save_prefix([live for live, _, _ in done])
+      self._unsaved += [live for live, _, _ in done]
 
   def _deliver(self, new: list[tuple[_Live, int, np.ndarray | None]]) -> None:
     """One step's new tokens (with their scores, or None): emitted to their groups (one event

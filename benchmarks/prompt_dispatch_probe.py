@@ -1,0 +1,105 @@
+"""Where a prompt call's host time goes before its GPU work starts (issue #18), in one process.
+
+For B prompts of --prompt-len tokens:
+  ttft         `generate(max_new_tokens=1)` TTFT with the engine as it is and with the prefix
+               lookup hashing every block first (the engine before the lazy lookup), ABAB order
+  dispatch     the ("prompts", B, S) executable called directly: host time until it returns
+               (dispatch) and until its first tokens are on the host (total), with NumPy inputs
+               (as the scheduler calls it) and with inputs already on the device
+Run it under `TF_CPP_VMODULE=command_buffer_thunk=3` (gpu_session.sh part `prompt-dispatch`)
+to see whether the prompt graph is updated on every call ("Updated N commands in X us").
+
+  PYTHONPATH=$PWD python3 benchmarks/prompt_dispatch_probe.py --checkpoint /tmp/ck/gpt2 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from bench_util import git_commit
+from cg_jax import Engine, prefix_cache
+
+
+def eager_lookup(index, prompt, multiple=1):
+  """PrefixIndex.lookup as it was: every block of the prompt hashed before the first test."""
+  list(prefix_cache.block_digests(prompt[:len(prompt) - 1], index.block))
+  return LAZY(index, prompt, multiple)
+
+
+LAZY = prefix_cache.PrefixIndex.lookup
+
+
+def ttft_ms(engine, batch, length, rng, calls=15):
+  vocab = engine.model_config.vocab_size
+  times = []
+  for _ in range(calls + 1):
+    prompts = rng.integers(0, vocab, (batch, length)).tolist()
+    times.append(engine.generate(prompts, max_new_tokens=1, eos_token_id=[]).stats["ttft_s"])
+  return statistics.median(times[1:]) * 1e3
+
+
+def dispatch_ms(engine, batch, length, rng, staged, calls=15):
+  table = engine.executables
+  exe, weights = table.get(("prompts", batch, length)), table.steps.split.weights
+  vocab = engine.model_config.vocab_size
+  returned, total = [], []
+  for _ in range(calls + 1):
+    inputs = (rng.integers(0, vocab, (batch, length)).astype(np.int32),
+              np.full((batch,), length, np.int32), np.int32(0))
+    if staged:
+      inputs = jax.block_until_ready(jax.device_put(inputs, engine.input_placement))
+    with engine._scheduler.exclusive():
+      cache = jax.block_until_ready(engine.kv_cache.get())
+      start = time.perf_counter()
+      new, _, cache = exe(weights, cache, *inputs)
+      returned.append(time.perf_counter() - start)
+      np.asarray(new)
+      total.append(time.perf_counter() - start)
+      engine.kv_cache.set(cache)
+  return (statistics.median(returned[1:]) * 1e3, statistics.median(total[1:]) * 1e3)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--checkpoint", required=True)
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--prompt-len", type=int, default=512, help="CPU smoke run: 64")
+  ap.add_argument("--batches", default="1,8")
+  args = ap.parse_args()
+  length, batches = args.prompt_len, tuple(int(b) for b in args.batches.split(","))
+  name = os.path.basename(args.checkpoint.rstrip("/"))
+  engine = Engine.from_pretrained(args.checkpoint, dtype="bfloat16", max_seq_len=2 * length,
+                                  batch_buckets=batches, prompt_buckets=(length,))
+  engine.warmup(phases=("prompts", "prefix"), progress=False)
+  rng = np.random.default_rng(0)
+  result = {"model": name, "commit": git_commit(), "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
+            "vlog": os.environ.get("TF_CPP_VMODULE", "")}
+  for batch in batches:
+    row = {"lazy_lookup_ttft_ms": [], "eager_lookup_ttft_ms": []}
+    for _ in range(2):
+      for label, lookup in (("lazy", LAZY), ("eager", eager_lookup)):
+        prefix_cache.PrefixIndex.lookup = lookup
+        row[f"{label}_lookup_ttft_ms"].append(ttft_ms(engine, batch, length, rng))
+    prefix_cache.PrefixIndex.lookup = LAZY
+    for staged in (False, True):
+      label = "staged" if staged else "numpy"
+      row[f"{label}_dispatch_ms"], row[f"{label}_total_ms"] = dispatch_ms(
+          engine, batch, length, rng, staged)
+    result[f"b{batch}"] = row
+    print(name, batch, json.dumps({k: [round(x, 3) for x in v] if isinstance(v, list)
+                                   else round(v, 3) for k, v in row.items()}), flush=True)
+  suffix = "_vlog" if result["vlog"] else ""
+  with open(os.path.join(args.out, f"prompt_dispatch_{name}{suffix}.json"), "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
