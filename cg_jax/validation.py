@@ -72,6 +72,10 @@ def _is_int(value) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+def _is_int_type(kind: type) -> bool:
+  return issubclass(kind, numbers.Integral) and not issubclass(kind, (bool, np.bool_))
+
+
 def _is_real(value) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
@@ -111,16 +115,21 @@ def prompts(input_ids, vocab_size: int) -> list[np.ndarray]:
       raise TypeError(f"input_ids[{index}] must be a list of ints, got {type(row).__name__}")
     if not values:
       raise ValueError(f"input_ids[{index}] is empty: every prompt needs at least one token")
-    for position, token in enumerate(values):
-      if not _is_int(token):
-        raise TypeError(f"input_ids[{index}][{position}] must be an int token id, "
-                        f"got {token!r} ({type(token).__name__})")
-    ids = np.asarray(values, dtype=np.int64)
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-    if bad.size:
-      position = int(bad[0])
-      raise ValueError(f"input_ids[{index}][{position}] = {int(ids[position])} is out of range; "
-                       f"token ids must be in [0, {vocab_size - 1}]")
+    # One test per element type, not per token; the token named only when one is wrong.
+    if not all(_is_int_type(kind) for kind in set(map(type, values))):
+      for position, token in enumerate(values):
+        if not _is_int(token):
+          raise TypeError(f"input_ids[{index}][{position}] must be an int token id, "
+                          f"got {token!r} ({type(token).__name__})")
+    try:
+      ids = np.asarray(values, dtype=np.int64)
+      bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+      position = int(bad[0]) if bad.size else None
+    except OverflowError:  # beyond int64
+      position = next(i for i, token in enumerate(values) if not -2**63 <= token < 2**63)
+    if position is not None:
+      raise ValueError(f"input_ids[{index}][{position}] = {int(values[position])} is out of "
+                       f"range; token ids must be in [0, {vocab_size - 1}]")
     result.append(ids.astype(np.int32))
   return result
 

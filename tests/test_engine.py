@@ -226,6 +226,8 @@ BAD_REQUESTS = [
     (dict(inputs=[[1, 263]]), ValueError, r"= 263 is out of range"),
     (dict(inputs=[[1, 2.0]]), TypeError, r"input_ids\[0\]\[1\] must be an int"),
     (dict(inputs=[[True, 2]]), TypeError, "must be an int"),
+    (dict(inputs=[[1, 2, np.bool_(True)]]), TypeError, r"input_ids\[0\]\[2\] must be an int"),
+    (dict(inputs=[[1, 2**70]]), ValueError, r"input_ids\[0\]\[1\] = 1180591620717411303424 is out"),
     (dict(inputs=np.zeros((2, 3), np.float32)), TypeError, "must hold integers"),
     (dict(inputs=[1, 2, 3]), ValueError, "rank 2"),
     (dict(inputs=np.zeros((1, 2, 3), np.int32)), ValueError, "rank 2"),
