@@ -281,13 +281,14 @@ def time_prefill(engine, batch: int, prompt_len: int, *, repeats: int = 10,
 
 def profile_calls(fn, calls: int = 3, logdir: str | None = None) -> LaunchReport:
   """The launch report of `calls` calls of `fn` (a function that waits for its result), after
-  one untraced call."""
+  one untraced call. The trace is kept under `logdir` when one is given, else deleted."""
   fn()
-  logdir = logdir or tempfile.mkdtemp(prefix="cg_jax_profile_")
-  with jax.profiler.trace(logdir):
-    for _ in range(calls):
-      fn()
-  return parse_trace(find_trace(logdir), calls)
+  with tempfile.TemporaryDirectory(prefix="cg_jax_profile_") as scratch:
+    logdir = logdir or scratch
+    with jax.profiler.trace(logdir):
+      for _ in range(calls):
+        fn()
+    return parse_trace(find_trace(logdir), calls)
 
 
 def profile_decode(engine, batch: int, *, position: int = 512, steps: int = 10,

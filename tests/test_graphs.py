@@ -85,11 +85,11 @@ def test_parse_synthetic_trace():
   assert report.idle_gap_share == pytest.approx(1 - 45 / 80)
 
 
-def test_profile_and_timing_run_on_cpu():
+def test_profile_and_timing_run_on_cpu(tmp_path):
   engine = Engine.from_pretrained("tiny-llama", batch_buckets=(1,), prompt_buckets=(16,),
                                   max_seq_len=64)
-  report, path = profile.profile_decode(engine, 1, position=20, steps=3)
-  assert os.path.exists(path)
+  report, path = profile.profile_decode(engine, 1, position=20, steps=3, logdir=str(tmp_path))
+  assert os.path.exists(path) and path.startswith(str(tmp_path))
   assert report.steps == 3 and report.graph_launches_per_step == 0  # no GPU here
   timing = profile.time_decode(engine, 1, position=20, steps=4, repeats=2)
   assert timing["step_us"] > 0 and timing["host_dispatch_wall_us"] > 0
