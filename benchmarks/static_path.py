@@ -150,7 +150,8 @@ class StaticPath:
         weights, self.cache.get(), batch.tokens, batch.lengths)
     self.cache.set(cache)
     first = table.get(("first", batch.batch, greedy))(logits, batch.lengths, sampling)
-    first.copy_to_host_async()
+    if host_io.needs_copy(first):
+      first.copy_to_host_async()
     following = prepare_next() if prepare_next else None  # overlaps this run's compute
     host_tokens = np.asarray(first)
     budget = np.full((batch.batch,), request.max_new_tokens - 1, np.int32)

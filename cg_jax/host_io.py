@@ -21,6 +21,8 @@ import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 PINNED_HOST = "pinned_host"
+# Memory kinds the host reads without a transfer.
+HOST_MEMORY_KINDS = (PINNED_HOST, "unpinned_host")
 
 
 def _placement(where) -> Sharding:
@@ -53,6 +55,20 @@ def to_device(tree: Any, where) -> Any:
   return jax.device_put(tree, on_device(where))
 
 
+def needs_copy(array: jax.Array) -> bool:
+  """Whether reading `array` on the host needs a device-to-host copy: False for an array in
+  host memory (pinned or unpinned: the executables write the outputs the host reads there)
+  or on CPU devices (host memory too).
+
+  Such an array gets no `copy_to_host_async()`: the copy is useless, and nothing waits for it
+  (on the CPU `np.asarray` reads the buffer once it is ready), so its completion callback,
+  which takes the GIL on an XLA worker thread, can run after the interpreter has begun
+  finalizing, and abort the process ("terminate called without an active exception").
+  """
+  return (array.sharding.memory_kind not in HOST_MEMORY_KINDS
+          and any(d.platform != "cpu" for d in array.sharding.device_set))
+
+
 class AsyncReader:
   """FIFO of device arrays (or pytrees of them) whose device-to-host copies start on `push` and
   finish on `pop`."""
@@ -65,7 +81,8 @@ class AsyncReader:
 
   def push(self, arrays: Any, tag: Any = None) -> None:
     for array in jax.tree.leaves(arrays):
-      array.copy_to_host_async()
+      if needs_copy(array):
+        array.copy_to_host_async()
     self._pending.append((arrays, tag))
 
   def pop(self) -> tuple[Any, Any]:
