@@ -639,8 +639,9 @@ class Scheduler:
 
   def _join(self, lives: list[_Live], new, logits) -> None:
     """Requests whose chunk completed their prompt join the decode batch with its token `new`
-    (their blocks go into the prefix cache at the end of the iteration); the token's scores come from `logits` (both on
-    the device) only for requests that asked for log-probabilities."""
+    (their blocks go into the prefix cache at the end of the iteration); the token's scores
+    come from `logits` (both on the device) only for requests that asked for
+    log-probabilities."""
     tokens = np.asarray(new)
     done = [(b, live) for b, live in enumerate(lives) if live.prefilled == len(live.prompt)]
     scores = None
