@@ -5,7 +5,8 @@ time (`profile.time_decode`) and one step's kernels from a trace of 10 pipelined
 Kinds are kernel names without XLA's numeric suffix (`loop_add_fusion_3` -> `loop_add_fusion`),
 with their count and summed duration per step; the optimized HLO names what each fusion holds.
 
-  PYTHONPATH=$PWD python3 benchmarks/decode_kernels.py --checkpoint /tmp/ck/gpt2 --batch 32 --out OUT
+  PYTHONPATH=$PWD python3 benchmarks/decode_kernels.py --checkpoint /tmp/ck/gpt2 --batch 32 \
+      --out OUT
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def main():
   result = {"model": name, "batch": args.batch, "position": args.position,
             "commit": git_commit(), "jax": jax.__version__,
             "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-            "compiler_options": options, "warmup_s": warmup_s, "step_us": timing["step_us"], "launch": report.as_dict(),
+            "compiler_options": options, "warmup_s": warmup_s, "step_us": timing["step_us"],
+            "launch": report.as_dict(),
             "kinds": {k: {"kernels": c, "us": round(d, 1)}
                       for k, (c, d) in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
             "step_kernels": [[k[:80], round(d, 2), round(s, 2)] for k, d, s in kernels]}
@@ -80,8 +82,8 @@ def main():
   with gzip.open(os.path.join(args.out, stem + ".hlo.txt.gz"), "wt") as f:
     f.write(engine.executables.get(("decode", args.batch, True)).as_text())
   span = kernels[-1][2] + kernels[-1][1] if kernels else 0.0  # no device kernels on a CPU
-  print(name, args.batch, options, f"warm-up {warmup_s:.1f} s, step {timing['step_us']:.1f} us, {len(kernels)} kernels, "
-        f"span {span:.1f} us")
+  print(name, args.batch, options, f"warm-up {warmup_s:.1f} s, step {timing['step_us']:.1f} us,",
+        f"{len(kernels)} kernels, span {span:.1f} us")
   for kind, row in list(result["kinds"].items())[:12]:
     print(f"  {kind:60s} {row['kernels']:4d} {row['us']:8.1f}")
 
