@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from bench_util import median_s
+from decode_kernels import step_kernels
 from cg_jax import Engine, profile
 from cg_jax import scheduler as scheduler_module
 
@@ -149,22 +150,13 @@ def decode_trace(engine, position: int, out: str) -> dict:
   step), with the step's and the B=1 prompt executable's optimized HLO written under `out`."""
   report, path = profile.profile_decode(engine, 1, position=position, steps=10)
   shutil.copy(path, os.path.join(out, "decode_b1.trace.json.gz"))
-  with gzip.open(path, "rt") as f:
-    events = json.load(f)["traceEvents"]
-  process = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-  kernels = sorted((float(e["ts"]), e.get("name", ""), float(e.get("dur", 0))) for e in events
-                   if e.get("ph") == "X" and "/device:" in process.get(e["pid"], "")
-                   and "CPU" not in process.get(e["pid"], ""))
-  per_step = len(kernels) // 10
-  step = kernels[-per_step:]
   table = engine.executables
   for key in (("decode", 1, True), ("prompts", 1, engine.config.buckets.prompt_lengths[0])):
     with gzip.open(os.path.join(out, f"{key[0]}_b1.hlo.txt.gz"), "wt") as f:
       f.write(table.get(key).as_text())
   return {"launch": report.as_dict(),
-          "step_kernels": [[name[:80], round(duration, 2), round(start - step[0][0], 2)]
-                           for start, name, duration in step]}
+          "step_kernels": [[name[:80], round(duration, 2), round(start, 2)]
+                           for name, duration, start in step_kernels(path, 10)]}
 
 
 def main():
