@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -12,6 +13,17 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The H200's measured device-to-device copy bandwidth (../shared/gpu-facts.md): the HBM ceiling
 # every floor and bandwidth share is computed against.
 HBM_BYTES_PER_S = 4.2e12
+
+
+def prompt_probe_parser() -> argparse.ArgumentParser:
+  """The arguments every prompt-path probe takes: a checkpoint, an output folder, the prompt
+  length and the batch buckets."""
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--checkpoint", required=True)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--prompt-len", type=int, default=512, help="CPU smoke run: 64")
+  parser.add_argument("--batches", default="1,8")
+  return parser
 
 
 def git_commit() -> str:

@@ -24,7 +24,6 @@ new tokens), medians.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -36,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from bench_util import git_commit
+from bench_util import git_commit, prompt_probe_parser
 from cg_jax import Engine, profile
 
 
@@ -122,11 +121,7 @@ def direct(engine, exe, batch, length, rng, repeats=15):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--checkpoint", required=True)
-  ap.add_argument("--out", required=True)
-  ap.add_argument("--prompt-len", type=int, default=512, help="CPU smoke run: 64")
-  ap.add_argument("--batches", default="1,8")
+  ap = prompt_probe_parser()
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=9)
   args = ap.parse_args()

@@ -14,7 +14,6 @@ to see whether the prompt graph is updated on every call ("Updated N commands in
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from bench_util import git_commit
+from bench_util import git_commit, prompt_probe_parser
 from cg_jax import Engine, prefix_cache
 
 
@@ -67,11 +66,7 @@ def dispatch_ms(engine, batch, length, rng, staged, calls=15):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--checkpoint", required=True)
-  ap.add_argument("--out", required=True)
-  ap.add_argument("--prompt-len", type=int, default=512, help="CPU smoke run: 64")
-  ap.add_argument("--batches", default="1,8")
+  ap = prompt_probe_parser()
   args = ap.parse_args()
   length, batches = args.prompt_len, tuple(int(b) for b in args.batches.split(","))
   name = os.path.basename(args.checkpoint.rstrip("/"))

@@ -14,7 +14,6 @@ prompt executable is called with the arguments its signature takes).
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -26,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from bench_util import median_s
+from bench_util import median_s, prompt_probe_parser
 from decode_kernels import step_kernels
 from cg_jax import Engine, profile
 from cg_jax import scheduler as scheduler_module
@@ -160,11 +159,7 @@ def decode_trace(engine, position: int, out: str) -> dict:
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--checkpoint", required=True)
-  ap.add_argument("--out", required=True)
-  ap.add_argument("--prompt-len", type=int, default=512, help="CPU smoke run: 64")
-  ap.add_argument("--batches", default="1,8")
+  ap = prompt_probe_parser()
   ap.add_argument("--label", default=os.environ.get("CG_JAX_COMMIT", "unknown"),
                   help="names this tree's rows (its commit)")
   ap.add_argument("--decode-trace", action="store_true")
