@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from bench_util import git_commit, prompt_probe_parser
+from bench_util import generate_ttft_ms, git_commit, prompt_call_ms, prompt_probe_parser
 from cg_jax import Engine, profile
 
 
@@ -99,27 +99,6 @@ def swapped(table, key, exe, measure, row: dict) -> dict:
   return row
 
 
-def direct(engine, exe, batch, length, rng, repeats=15):
-  """(dispatch ms, call + read-back ms) of the prompt call on fresh NumPy inputs, medians."""
-  weights = engine.executables.steps.split.weights
-  vocab = engine.model_config.vocab_size
-  dispatch, total = [], []
-  with engine._scheduler.exclusive():
-    for _ in range(repeats + 1):
-      tokens = rng.integers(0, vocab, (batch, length)).astype(np.int32)
-      lengths = np.full((batch,), length, np.int32)
-      cache = jax.block_until_ready(engine.kv_cache.get())
-      start = time.perf_counter()
-      new, _, cache = exe(weights, cache, tokens, lengths, np.int32(0))
-      returned = time.perf_counter()
-      np.asarray(new)
-      end = time.perf_counter()
-      engine.kv_cache.set(cache)
-      dispatch.append(returned - start)
-      total.append(end - start)
-  return statistics.median(dispatch[1:]) * 1e3, statistics.median(total[1:]) * 1e3
-
-
 def main():
   ap = prompt_probe_parser()
   ap.add_argument("--new-tokens", type=int, default=128)
@@ -134,20 +113,15 @@ def main():
   rng = np.random.default_rng(0)
   rows = []
   for batch in batches:
-    def ttft():
-      prompts = rng.integers(0, vocab, (batch, length)).tolist()
-      return engine.generate(prompts, max_new_tokens=1, eos_token_id=[]).stats["ttft_s"] * 1e3
-
     def per_token():
       prompts = rng.integers(0, vocab, (batch, length)).tolist()
       stats = engine.generate(prompts, max_new_tokens=args.new_tokens, eos_token_id=[]).stats
       return stats["per_token_s"] * 1e6, stats["ttft_s"] * 1e3
 
     def prompt_row(exe):
-      dispatch_ms, call_ms = direct(engine, exe, batch, length, rng)
-      ttft()
+      dispatch_ms, call_ms = prompt_call_ms(engine, exe, batch, length, rng)
       return {"dispatch_ms": dispatch_ms, "call_readback_ms": call_ms,
-              "generate_ttft_ms": statistics.median(ttft() for _ in range(args.repeats))}
+              "generate_ttft_ms": generate_ttft_ms(engine, batch, length, rng, args.repeats)}
 
     fixed = np.random.default_rng(1).integers(0, vocab, (batch, length)).tolist()
     reference = []

@@ -13,24 +13,12 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import time
 
 import jax
 import numpy as np
 
+from bench_util import generate_ttft_ms
 from cg_jax import Engine, profile
-
-
-def ttft_ms(engine, batch, length, idle_s, runs=9):
-  rng = np.random.default_rng(batch)
-  vocab = engine.model_config.vocab_size
-  times = []
-  for _ in range(runs):
-    time.sleep(idle_s)
-    times.append(engine.generate(rng.integers(0, vocab, (batch, length)).tolist(),
-                                 max_new_tokens=1, eos_token_id=[]).stats["ttft_s"] * 1e3)
-  return statistics.median(times[1:])
 
 
 def prompt_profile(engine, batch, length, calls=3):
@@ -63,8 +51,9 @@ def main():
       engine.warmup(progress=False)  # the serving phases: nothing compiles inside the profile
       for batch in (1, 8):
         row = dict(model=os.path.basename(checkpoint.rstrip("/")), graphs=mode, batch=batch,
-                   ttft_ms=ttft_ms(engine, batch, length, 0.0),
-                   ttft_idle_ms=ttft_ms(engine, batch, length, 0.05),
+                   ttft_ms=generate_ttft_ms(engine, batch, length, np.random.default_rng(batch), 8),
+                   ttft_idle_ms=generate_ttft_ms(engine, batch, length,
+                                                 np.random.default_rng(batch), 8, idle_s=0.05),
                    **prompt_profile(engine, batch, length))
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 
 import jax
 import numpy as np
 
-from bench_util import git_commit, prompt_probe_parser
+from bench_util import generate_ttft_ms, git_commit, prompt_call_ms, prompt_probe_parser
 from cg_jax import Engine, prefix_cache
 
 
@@ -33,36 +32,6 @@ def eager_lookup(index, prompt, multiple=1):
 
 
 LAZY = prefix_cache.PrefixIndex.lookup
-
-
-def ttft_ms(engine, batch, length, rng, calls=15):
-  vocab = engine.model_config.vocab_size
-  times = []
-  for _ in range(calls + 1):
-    prompts = rng.integers(0, vocab, (batch, length)).tolist()
-    times.append(engine.generate(prompts, max_new_tokens=1, eos_token_id=[]).stats["ttft_s"])
-  return statistics.median(times[1:]) * 1e3
-
-
-def dispatch_ms(engine, batch, length, rng, staged, calls=15):
-  table = engine.executables
-  exe, weights = table.get(("prompts", batch, length)), table.steps.split.weights
-  vocab = engine.model_config.vocab_size
-  returned, total = [], []
-  for _ in range(calls + 1):
-    inputs = (rng.integers(0, vocab, (batch, length)).astype(np.int32),
-              np.full((batch,), length, np.int32), np.int32(0))
-    if staged:
-      inputs = jax.block_until_ready(jax.device_put(inputs, engine.input_placement))
-    with engine._scheduler.exclusive():
-      cache = jax.block_until_ready(engine.kv_cache.get())
-      start = time.perf_counter()
-      new, _, cache = exe(weights, cache, *inputs)
-      returned.append(time.perf_counter() - start)
-      np.asarray(new)
-      total.append(time.perf_counter() - start)
-      engine.kv_cache.set(cache)
-  return (statistics.median(returned[1:]) * 1e3, statistics.median(total[1:]) * 1e3)
 
 
 def main():
@@ -82,12 +51,13 @@ def main():
     for _ in range(2):
       for label, lookup in (("lazy", LAZY), ("eager", eager_lookup)):
         prefix_cache.PrefixIndex.lookup = lookup
-        row[f"{label}_lookup_ttft_ms"].append(ttft_ms(engine, batch, length, rng))
+        row[f"{label}_lookup_ttft_ms"].append(generate_ttft_ms(engine, batch, length, rng, 15))
     prefix_cache.PrefixIndex.lookup = LAZY
+    exe = engine.executables.get(("prompts", batch, length))
     for staged in (False, True):
       label = "staged" if staged else "numpy"
-      row[f"{label}_dispatch_ms"], row[f"{label}_total_ms"] = dispatch_ms(
-          engine, batch, length, rng, staged)
+      row[f"{label}_dispatch_ms"], row[f"{label}_total_ms"] = prompt_call_ms(
+          engine, exe, batch, length, rng, staged)
     result[f"b{batch}"] = row
     print(name, batch, json.dumps({k: [round(x, 3) for x in v] if isinstance(v, list)
                                    else round(v, 3) for k, v in row.items()}), flush=True)
