@@ -68,12 +68,12 @@ class SamplingSettings:
   eos_ids: tuple[int, ...]
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
 def _is_int_type(kind: type) -> bool:
   return issubclass(kind, numbers.Integral) and not issubclass(kind, (bool, np.bool_))
+
+
+def _is_int(value) -> bool:
+  return _is_int_type(type(value))
 
 
 def _is_real(value) -> bool:
