@@ -1,5 +1,7 @@
 """Asynchronous read-back, pinned-host staging and KV-cache swap give exactly the same tokens."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -101,3 +103,12 @@ def test_host_resident_arrays_get_no_async_copy():
   pinned = jax.device_put(array, host_io.pinned_host(jax.devices()[0]))
   assert not host_io.needs_copy(pinned)
   assert host_io.needs_copy(array) == (jax.devices()[0].platform != "cpu")
+  # The memory-kind rule on a GPU, which the CPU cannot place: only device memory is copied.
+  gpu = types.SimpleNamespace(platform="gpu")
+
+  def on_gpu(kind):
+    return types.SimpleNamespace(sharding=types.SimpleNamespace(memory_kind=kind,
+                                                                device_set=(gpu,)))
+  assert host_io.needs_copy(on_gpu("device"))
+  assert not host_io.needs_copy(on_gpu("pinned_host"))
+  assert not host_io.needs_copy(on_gpu("unpinned_host"))
