@@ -17,8 +17,9 @@ cache along the key axis:
      normalises and writes the result itself: one kernel, no combine.
 
 Triton dots need every dimension >= 16 and power-of-two shapes, so the kernel handles the query
-group as max(16, next_pow2(N // K)) rows through masked loads and stores (the extra rows read as
-zeros and are never written; nothing is padded outside the kernel). Cache rows past the length
+group as G_pad = max(16, next_pow2(N // K)) rows: the query and output blocks are G_pad rows of
+arrays that hold G, and the Triton lowering masks the rows past G (they read as zeros and are
+never written; nothing is padded outside the kernel, and no ref is sliced past its end). Cache rows past the length
 (and past T, where T is not a multiple of the split) are never loaded: every key/value load is
 masked, so the cache is not copied or padded.
 
@@ -125,7 +126,7 @@ def _check_shapes(q, k_cache, v_cache, lengths) -> None:
 
 
 def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
-                             block_k: int, split_size: int, padded_group: int, writes_new: bool):
+                             block_k: int, split_size: int, group: int, writes_new: bool):
   """One (batch row, KV head, split) program.
 
   With `writes_new`, refs start with k_new_ref, v_new_ref [H] (the new token's key and value,
@@ -133,18 +134,19 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   [split_size, H]: the cache supplies keys below length - 1, the new key is attended from its
   input, and the program whose split holds position length - 1 stores it there.
 
-  Refs: lengths_ref [] int32; q_ref [G, H]; k_ref, v_ref [split_size, H] (this split's window of
-  the cache, possibly reaching past T: rows at or past the length are never loaded). Outputs:
-  with one split, out_ref [G, H] (the normalised result in q's dtype); with several, the
-  partials acc_ref [G, H] f32 and max_ref, denom_ref [G] f32 for `combine_splits`. The G query
-  rows are handled as `padded_group` (>= 16 for Triton dots) through masked loads and stores.
+  Refs: lengths_ref [] int32; q_ref [G_pad, H]; k_ref, v_ref [split_size, H] (this split's
+  window of the cache, possibly reaching past T: rows at or past the length are never loaded).
+  Outputs: with one split, out_ref [G_pad, H] (the normalised result in q's dtype); with several,
+  the partials acc_ref [G_pad, H] f32 and max_ref, denom_ref [G_pad] f32 for `combine_splits`.
+  Rows past the `group` real ones lie past the arrays' ends: loads mask them to zeros and
+  stores skip them.
   """
   if writes_new:
     k_new_ref, v_new_ref, *refs = refs
     *out_refs, k_out_ref, v_out_ref = refs
   else:
     out_refs = refs
-  group, head_dim = q_ref.shape
+  padded_group, head_dim = q_ref.shape
   real_rows = jnp.arange(padded_group) < group
   length = lengths_ref[()]
   # This split's first key: its window of the cache starts there.
@@ -160,7 +162,7 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
   num_blocks = jnp.minimum((keys_left + block_k - 1) // block_k, split_size // block_k)
 
   # [G_pad, H]; rows past G read as zeros and are never stored.
-  query = pltriton.load(q_ref.at[pl.ds(0, padded_group), :], mask=real_rows[:, None], other=0.0)
+  query = pltriton.load(q_ref, mask=real_rows[:, None], other=0.0)
 
   def attend_block(block_index, carry):
     acc, row_max, denom = carry
@@ -216,16 +218,15 @@ def _decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, sm_scale: 
                    mask=stored)
     pltriton.store(v_out_ref.at[pl.ds(row, 1), :], value[None, :].astype(v_out_ref.dtype),
                    mask=stored)
-  rows = pl.ds(0, padded_group)
   if len(out_refs) == 1:  # one split: normalise here (a row with no valid key gives zeros)
     (out_ref,) = out_refs
     out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
-    pltriton.store(out_ref.at[rows, :], out.astype(out_ref.dtype), mask=real_rows[:, None])
+    pltriton.store(out_ref, out.astype(out_ref.dtype), mask=real_rows[:, None])
     return
   acc_ref, max_ref, denom_ref = out_refs
-  pltriton.store(acc_ref.at[rows, :], acc, mask=real_rows[:, None])
-  pltriton.store(max_ref.at[rows], row_max, mask=real_rows)
-  pltriton.store(denom_ref.at[rows], denom, mask=real_rows)
+  pltriton.store(acc_ref, acc, mask=real_rows[:, None])
+  pltriton.store(max_ref, row_max, mask=real_rows)
+  pltriton.store(denom_ref, denom, mask=real_rows)
 
 
 def combine_splits(split_acc, split_max, split_denom):
@@ -361,8 +362,8 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, cache_len)
 
   kernel = functools.partial(_decode_attention_kernel, sm_scale=float(sm_scale), block_k=block_k,
-                             split_size=split_size,
-                             padded_group=padded_group, writes_new=new is not None)
+                             split_size=split_size, group=group,
+                             writes_new=new is not None)
   squeezed = pl.squeezed
   # Each program's window of the cache: its split.
   if layer is None:
@@ -373,15 +374,16 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
                               lambda b, h, s: (layer, b, s, h, 0))
   if num_splits == 1:
     # One kernel, no combine: [B, K, G, H] in q's dtype.
-    out_specs = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
+    out_specs = pl.BlockSpec((squeezed, squeezed, padded_group, head_dim),
+                             lambda b, h, s: (b, h, 0, 0))
     out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), q.dtype)
   else:
     # Per-split partials, merged by `combine_splits`.
     out_specs = [
-        pl.BlockSpec((squeezed, squeezed, squeezed, group, head_dim),
+        pl.BlockSpec((squeezed, squeezed, squeezed, padded_group, head_dim),
                      lambda b, h, s: (b, h, s, 0, 0)),
-        pl.BlockSpec((squeezed, squeezed, squeezed, group), lambda b, h, s: (b, h, s, 0)),
-        pl.BlockSpec((squeezed, squeezed, squeezed, group), lambda b, h, s: (b, h, s, 0)),
+        pl.BlockSpec((squeezed, squeezed, squeezed, padded_group), lambda b, h, s: (b, h, s, 0)),
+        pl.BlockSpec((squeezed, squeezed, squeezed, padded_group), lambda b, h, s: (b, h, s, 0)),
     ]
     out_shape = [
         jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),
@@ -389,9 +391,10 @@ def _decode_attention(q, k_cache, v_cache, lengths, *, layer, sm_scale, config, 
         jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group), jnp.float32),
     ]
   lengths_spec = pl.BlockSpec((squeezed,), lambda b, h, s: (b,))
-  # [B, K, G, H] (a free reshape: the kernel pads G to G_pad with masked loads)
+  # [B, K, G, H] (a free reshape); each program's block is G_pad rows, those past G masked.
   q_operand = q.reshape(batch, num_kv_heads, group, head_dim)
-  q_spec = pl.BlockSpec((squeezed, squeezed, group, head_dim), lambda b, h, s: (b, h, 0, 0))
+  q_spec = pl.BlockSpec((squeezed, squeezed, padded_group, head_dim),
+                        lambda b, h, s: (b, h, 0, 0))
   in_specs = [lengths_spec, q_spec, cache_spec, cache_spec]
   operands = [lengths, q_operand, k_cache, v_cache]
   aliases = {}
