@@ -1,0 +1,20 @@
+"""Pallas kernels, one per module, each with its block config, an `interpret` flag (CPU tests)
+and a plain-jnp reference.
+
+Lowering: both kernels lower through Pallas's Triton backend on the GPU, selected by passing
+`pltriton.CompilerParams` explicitly (the default GPU backend differs between jax versions):
+
+| module | kernel | GPU lowering |
+|---|---|---|
+| `decode_attention` | flash-decoding over the KV cache, fused cache write | Triton |
+| `flash_attention` | causal prefill attention | Triton |
+
+jax 0.11 deprecated the Triton backend and jax 0.12 warns (`DeprecationWarning: The Pallas
+Triton backend is deprecated and will be removed in a future JAX version`) on every lowering;
+it still lowers and runs, and the tests check it on jax 0.10.2, 0.11.2 and the newest release.
+When it is removed these kernels move to Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`) or to
+Triton through jax_triton. Mosaic GPU lowers, compiles and runs a port of the decode kernel on
+the H200 at jax 0.11.2, correct but slower than the Triton kernel in most measured cells, and its
+interpreter cannot run wgmma on the CPU
+([benchmarks/results/mosaic_gpu_decode_h200.md](../../benchmarks/results/mosaic_gpu_decode_h200.md)).
+"""
