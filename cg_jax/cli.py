@@ -5,17 +5,21 @@ needs the `serve` extra) and `python -m cg_jax profile --model NAME`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
 import time
+import warnings
 
 from cg_jax import profile
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS
+from cg_jax.config import on_gpu
 from cg_jax.engine import Engine
 from cg_jax.graphs import GRAPH_MODES
 from cg_jax.hub import DEFAULT_MODEL, resolve_model
+from cg_jax.validation import IgnoredSamplingWarning
 from models import hf
 from models.config import PRESETS
 
@@ -27,7 +31,18 @@ except ImportError as missing:
 else:
   SERVER_MISSING = ""
 
-_HELP = argparse.ArgumentDefaultsHelpFormatter
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Every option's help ends with its default, except a required option's (it has none)."""
+
+  def _get_help_string(self, action):
+    return action.help if action.required else super()._get_help_string(action)
+
+
+_HELP = _DefaultsFormatter
+# `generate`'s and `serve`'s KV cache length when --max-seq-len is not given is
+# min(model context, DEFAULT_CONTEXT) (EngineConfig.create); `profile` uses the same.
+DEFAULT_CONTEXT = 2048
 _DTYPES = ("float32", "bfloat16", "float16")
 _MODEL_HELP = ("checkpoint directory, bundled model (kjv-llama-6m is trained on the King James "
                "Bible), preset name (random weights, no tokenizer) or HF model name in the local "
@@ -132,24 +147,33 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level")
 
-  prof = sub.add_parser("profile", help="launch accounting of decode steps from a real profile",
-                        formatter_class=_HELP)
+  prof = sub.add_parser(
+      "profile", help="launch accounting of decode steps from a real profile",
+      description="Time decode steps and count their launches in a jax.profiler trace. The GPU "
+                  "counters (kernels, graph launches, kernel launches outside graphs and "
+                  "memcpys per step, GPU busy time, idle-gap share) are read from the GPU's "
+                  "activity in the trace: on another backend they print as `n/a (needs a GPU)` "
+                  "(null in --json, with gpu_counters false); the step timings and the host "
+                  "dispatch time are measured on any backend.", formatter_class=_HELP)
   prof.add_argument("--model", required=True, help=_MODEL_HELP)
   prof.add_argument("--batch", type=int, default=1, help="batch size of the decode step")
   prof.add_argument("--graphs", default="xla-default", choices=tuple(GRAPH_MODES),
                     help="CUDA graph mode (cg_jax.graphs)")
   prof.add_argument("--layer-loop", default="unroll", choices=("scan", "unroll"),
                     help="run the layers as a lax.scan or unrolled")
-  prof.add_argument("--dtype", default="bfloat16", choices=_DTYPES,
-                    help="weight and compute dtype")
+  prof.add_argument("--dtype", default=None, choices=_DTYPES,
+                    help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
+                         "elsewhere)")
   prof.add_argument("--max-seq-len", type=int, default=None,
-                    help="KV cache length; None = min(model context, 1024)")
+                    help=f"KV cache length; None = min(model context, {DEFAULT_CONTEXT})")
   prof.add_argument("--position", type=int, default=None,
                     help="cache position of the timed steps; None = min(512, max seq len // 2)")
   prof.add_argument("--steps", type=int, default=10, help="decode steps to profile")
   prof.add_argument("--tensor-parallel", type=int, default=1,
                     help="split the model over this many devices (cg_jax.sharding)")
-  prof.add_argument("--json", action="store_true", help="print one JSON object")
+  prof.add_argument("--json", action="store_true",
+                    help="print one JSON object (off a GPU: the GPU counters null, gpu_counters "
+                         "false)")
   return parser
 
 
@@ -166,15 +190,30 @@ def model_context(model: str) -> int:
 
 
 def profile_lengths(model: str, max_seq_len: int | None, position: int | None) -> tuple[int, int]:
-  """`profile`'s (max_seq_len, position): None means min(model context, 1024) and half the
-  cache, at most 512."""
+  """`profile`'s (max_seq_len, position): None means min(model context, DEFAULT_CONTEXT), as
+  `generate` and `serve` do, and half the cache, at most 512."""
   if max_seq_len is None:
-    max_seq_len = min(model_context(model), 1024)
+    max_seq_len = min(model_context(model), DEFAULT_CONTEXT)
   if position is None:
     position = min(512, max_seq_len // 2)
   return max_seq_len, position
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+  print(f"warning: {message}", file=sys.stderr if file is None else file)
+
+
+@contextlib.contextmanager
+def _cli_warnings():
+  """Python warnings shown as one `warning: MESSAGE` line on stderr (no source location); the
+  engine's IgnoredSamplingWarning not at all: `_warn_greedy` says it in flag names."""
+  with warnings.catch_warnings():
+    warnings.showwarning = _show_warning
+    warnings.simplefilter("ignore", IgnoredSamplingWarning)
+    yield
+
+
+@_cli_warnings()
 def run_profile(args) -> int:
   max_seq_len, position = profile_lengths(args.model, args.max_seq_len, args.position)
   engine = Engine.from_pretrained(args.model, dtype=args.dtype, batch_buckets=[args.batch],
@@ -183,9 +222,10 @@ def run_profile(args) -> int:
                                   tensor_parallel=args.tensor_parallel)
   timing = profile.time_decode(engine, args.batch, position=position)
   report, trace = profile.profile_decode(engine, args.batch, position=position, steps=args.steps)
-  result = dict(report.as_dict(), **timing, trace=trace, graphs=args.graphs,
-                layer_loop=args.layer_loop, max_seq_len=max_seq_len, position=position,
-                device=str(engine.weights()["embed"].devices()))
+  gpu = on_gpu()
+  result = dict(report.as_dict(gpu_counters=gpu), **timing, gpu_counters=gpu, trace=trace,
+                graphs=args.graphs, layer_loop=args.layer_loop, max_seq_len=max_seq_len,
+                position=position, device=str(engine.weights()["embed"].devices()))
   if args.json:
     print(json.dumps(result))
     return 0
@@ -193,7 +233,8 @@ def run_profile(args) -> int:
               "graph_launches_per_step",
               "kernel_launches_outside_graphs_per_step", "memcpy_per_step", "host_dispatch_us",
               "gpu_busy_us", "idle_gap_share"):
-    print(f"{key:42s} {result[key]:10.2f}")
+    shown = "n/a (needs a GPU)" if result[key] is None else f"{result[key]:10.2f}"
+    print(f"{key:42s} {shown}")
   print(f"trace: {trace}")
   return 0
 
@@ -217,15 +258,16 @@ def _check_tokenizer(args) -> None:
 
 
 def _warn_greedy(args) -> None:
-  """--top-k / --top-p only shape sampling; at temperature 0 the decode is greedy."""
+  """--top-k, --top-p and --seed only shape sampling; at temperature 0 the decode is greedy."""
   if args.temperature != 0:
     return
-  ignored = [flag for flag, off in (("--top-k", args.top_k == 0), ("--top-p", args.top_p == 1.0))
-             if not off]
+  ignored = [flag for flag, off in (("--top-k", args.top_k == 0), ("--top-p", args.top_p == 1.0),
+                                    ("--seed", args.seed is None)) if not off]
   if ignored:
-    verb = "has" if len(ignored) == 1 else "have"
-    print(f"warning: {' and '.join(ignored)} {verb} no effect without --temperature > 0 "
-          "(decoding greedily)", file=sys.stderr)
+    *rest, last = ignored
+    flags, verb = (f"{', '.join(rest)} and {last}", "have") if rest else (last, "has")
+    print(f"warning: {flags} {verb} no effect without --temperature > 0 (decoding greedily)",
+          file=sys.stderr)
 
 
 def _stream(engine, inputs, prefix: str, max_new_tokens: int, options: dict) -> dict[str, float]:
@@ -249,23 +291,28 @@ def _stream(engine, inputs, prefix: str, max_new_tokens: int, options: dict) -> 
           "tokens_per_s": count / (end - start)}
 
 
+@_cli_warnings()
 def generate(args) -> int:
   inputs = args.prompt if args.prompt is not None else args.prompt_ids
   if args.stream and len(inputs) > 1:
     raise ValueError(f"--stream takes one prompt, got {len(inputs)}; drop --stream to generate "
                      "a batch")
   _check_tokenizer(args)
-  _warn_greedy(args)
   engine = Engine.from_pretrained(args.model, **_engine_options(args))
   options = dict(do_sample=args.temperature > 0, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed)
   if args.stop:
     options["stop"] = args.stop
-  # Validate before compiling anything, then compile only the buckets this request needs.
+  # Validate before compiling anything (a flag that is wrong gets an error, not a warning), then
+  # compile only the buckets this request needs.
   engine.validate(inputs, args.max_new_tokens, **options)
+  _warn_greedy(args)
   batch = engine.config.buckets.batch_bucket(min(len(inputs), engine.config.buckets.max_batch))
+  start = time.perf_counter()
   compile_times = engine.warmup(batch_sizes=[batch], progress=not args.json)
-  warmup = dict(warmup_s=sum(compile_times.values()), executables=len(compile_times))
+  # Wall time: the executables compile in parallel, so their compile times add up to more.
+  warmup = dict(warmup_s=time.perf_counter() - start, compile_s=sum(compile_times.values()),
+                executables=len(compile_times))
   prefixes = args.prompt if args.prompt is not None else [""] * len(inputs)
   if args.stream:
     stats = _stream(engine, inputs, prefixes[0], args.max_new_tokens, options)
@@ -279,24 +326,41 @@ def generate(args) -> int:
     for i, tokens in enumerate(result):
       shown = result.texts[i] if result.texts is not None else " ".join(map(str, tokens))
       print(f"[{i}] {prefixes[i]}{shown}")
-  print(f"time to first token {stats['ttft_s'] * 1e3:.1f} ms | per token "
-        f"{stats['per_token_s'] * 1e3:.2f} ms | {stats['tokens_per_s']:.1f} tokens/s | "
-        f"warmup {warmup['warmup_s']:.1f} s ({warmup['executables']} executables)")
+  ttft = f"time to first token {stats['ttft_s'] * 1e3:.1f} ms"
+  if len(inputs) > 1:
+    ttft += f" (last row {stats['ttft_s_last'] * 1e3:.1f} ms)"
+  print(f"{ttft} | per token {stats['per_token_s'] * 1e3:.2f} ms | "
+        f"{stats['tokens_per_s']:.1f} tokens/s | warmup {warmup['warmup_s']:.1f} s "
+        f"({warmup['executables']} executables)")
   return 0
 
 
 def serve(args) -> int:
+  """Listen first (a busy --port fails before the model loads or anything compiles: 2), then
+  build the engine and serve it, warming up while it answers; a failed warm-up is 1."""
   if server is None:
     print(f"error: `serve` needs the serve extra: pip install 'cg_jax[serve]' ({SERVER_MISSING})",
           file=sys.stderr)
     return 2
-  template = server.load_chat_template(args.model)
-  engine = Engine.from_pretrained(args.model, prompt_buckets=args.prompt_buckets,
-                                  max_waiting=args.max_waiting, **_engine_options(args))
-  app = server.create_app(engine, args.served_model_name or args.model, chat_template=template,
-                          request_timeout=args.request_timeout)
-  server.serve(app, host=args.host, port=args.port, graceful_timeout=args.graceful_timeout,
-               log_level=args.log_level)
+  try:
+    sock = server.listen(args.host, args.port)
+  except server.ListenError as error:
+    value = args.port if error.param == "port" else args.host
+    print(f"error: --{error.param} {value}: {error}", file=sys.stderr)
+    return 2
+  try:
+    template = server.load_chat_template(args.model)
+    engine = Engine.from_pretrained(args.model, prompt_buckets=args.prompt_buckets,
+                                    max_waiting=args.max_waiting, **_engine_options(args))
+    app = server.create_app(engine, args.served_model_name or args.model,
+                            chat_template=template, request_timeout=args.request_timeout)
+    server.serve(app, host=args.host, sock=sock, graceful_timeout=args.graceful_timeout,
+                 log_level=args.log_level)
+  except server.WarmupFailed as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 1
+  finally:
+    sock.close()
   return 0
 
 

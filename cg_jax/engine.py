@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -212,7 +212,8 @@ class Engine:
   def warmup(self, *, batch_sizes: Sequence[int] | None = None,
              prompt_lengths: Sequence[int] | None = None,
              phases: Sequence[str] = SERVING_PHASES, progress: bool = True,
-             workers: int | None = None) -> dict[str, float]:
+             workers: int | None = None,
+             on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Compile every (phase, bucket) executable ahead of time, in parallel on `workers` threads
     (None: one per CPU core), and allocate the KV cache.
 
@@ -224,6 +225,11 @@ class Engine:
     (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start
     fast.
 
+    With `progress`, a bar on stderr counts the executables to compile (none: no bar).
+    `on_progress(done, total)` is called at the start and after each executable is ready (done
+    of total, the ones ready before included); an exception from it stops the warm-up once the
+    compiles in flight finish, and propagates (`ExecutableTable.compile`).
+
     Returns:
       {executable name: compile seconds} (small when served from the persistent cache);
       `stats()["warmup_wall_s"]` is the whole warm-up's wall time.
@@ -231,7 +237,8 @@ class Engine:
     keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
     start = time.perf_counter()
     with self._lock:
-      times = self.executables.compile(keys, progress=progress, workers=workers)
+      times = self.executables.compile(keys, progress=progress, workers=workers,
+                                       on_progress=on_progress)
       self.kv_cache.get()
       if self.prefix_pool is not None and ("pool",) in keys:
         self.prefix_pool.get()
@@ -321,7 +328,11 @@ class Engine:
         one; its text is cut before it, its tokens end with the one that completed it.
     Returns:
       A `GenerationResult`: a list of new-token lists (EOS included when hit), with `.texts`
-      (when a tokenizer exists) and `.stats` (ttft_s, per_token_s, tokens_per_s, ...).
+      (when a tokenizer exists) and `.stats`, times in seconds from this call's start (after
+      validation): ttft_s (the batch's first token, any row), ttft_s_rows (each row's first
+      token, in row order), ttft_s_last (the last row's to get one: their max), total_s,
+      new_tokens, per_token_s (after the first token, per token of the longest row),
+      tokens_per_s, greedy, readback_lag.
     """
     request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
@@ -407,17 +418,18 @@ class Engine:
   def score(self, prompt, top: int = 0) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
     """The log-probability of each prompt token after the first given the tokens before it,
     with its `top` most likely alternatives: [(logprob, ((token, logprob), ...)), ...], one
-    per token from the second (what `echo` with `logprobs` reports). The prompt must fit the
-    largest prompt bucket; the ("score", bucket) executables compile at warm-up with
+    per token from the second (what `echo` with `logprobs` reports). The prompt may fill the
+    context (max_seq_len tokens; it is padded to the smallest prompt bucket or the context);
+    the ("score", length) executables compile at warm-up with
     `phases=(*SERVING_PHASES, "logprobs")`, else on first use."""
     rows = validation.prompts(self._encode([prompt] if isinstance(prompt, str) else [prompt]),
                               self.model_config.vocab_size)
     top = validation.logprobs(top, min(TOP_LOGPROBS, self.model_config.vocab_size))
     row = rows[0]
-    lengths = self.config.buckets.prompt_lengths
+    lengths = self.executables.score_lengths()
     if len(row) > lengths[-1]:
-      raise ValueError(f"a scored prompt may have at most {lengths[-1]} tokens (the largest "
-                       f"prompt bucket), got {len(row)}")
+      raise ValueError(f"a scored prompt may have at most {lengths[-1]} tokens (max_seq_len), "
+                       f"got {len(row)}")
     size = next(n for n in lengths if n >= len(row))
     tokens = np.zeros((1, size), np.int32)
     tokens[0, :len(row)] = row
@@ -428,9 +440,11 @@ class Engine:
   def _call_stats(self, request: validation.Request, group, start: float) -> dict[str, Any]:
     end = group.finished_at or time.perf_counter()
     first = group.first_token_at or end
+    rows = [(at or end) - start for at in group.row_first_token_at]
     total = sum(len(t) for t in group.tokens)
     steps = max(max((len(t) for t in group.tokens), default=1) - 1, 1)
-    return dict(ttft_s=first - start, total_s=end - start, new_tokens=total,
+    return dict(ttft_s=first - start, ttft_s_rows=rows, ttft_s_last=max(rows),
+                total_s=end - start, new_tokens=total,
                 per_token_s=(end - first) / steps, tokens_per_s=total / max(end - start, 1e-9),
                 greedy=request.settings.greedy,
                 readback_lag=self.config.readback_lag)

@@ -44,10 +44,11 @@ import hashlib
 import os
 import pathlib
 import pickle
+import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -127,7 +128,8 @@ class ExecutableTable:
     if "logprobs" in phases:
       keys += [("logprobs", batch) for batch in batch_sizes]
       keys += [("token_logprobs", batch) for batch in self.prompt_batches() if batch in batch_sizes]
-      keys += [("score", length) for length in prompt_lengths]
+      keys += [("score", length) for length in self.score_lengths()
+               if length in prompt_lengths or length > b.max_prompt_len]
     if "prefix" in phases and self.config.prefix_blocks:
       keys += [("pool",), ("load",), ("save",)]
     for batch in batch_sizes:
@@ -137,6 +139,11 @@ class ExecutableTable:
         if phase in phases:
           keys += [(phase, batch, True), (phase, batch, False)]
     return list(dict.fromkeys(keys))
+
+  def score_lengths(self) -> tuple[int, ...]:
+    """The lengths of the "score" executables: the prompt buckets and the whole context
+    (max_seq_len), so that a prompt that fills the context can be scored (`echo`)."""
+    return (*self.config.buckets.prompt_lengths, self.config.max_seq_len)
 
   def prompt_batches(self) -> tuple[int, ...]:
     """The batch buckets up to PROMPT_BATCH: how many prompts a "prompts" or "chunk"
@@ -280,27 +287,52 @@ class ExecutableTable:
       _save(path, exe)
     return exe, time.perf_counter() - start
 
-  def compile(self, keys: Sequence[tuple], progress: bool = True,
-              workers: int | None = None) -> dict[str, float]:
+  def compile(self, keys: Sequence[tuple], progress: bool = True, workers: int | None = None,
+              on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Load the stored executables of `keys` (in this thread) and compile the others on
-    `workers` threads (None: one per CPU core; XLA compiles outside the GIL), with a progress
-    bar when asked; {name: compile or load seconds of that key}."""
+    `workers` threads (None: one per CPU core; XLA compiles outside the GIL); {name: compile or
+    load seconds of that key}.
+
+    With `progress`, a bar on stderr counts the executables compiled here (its total: those
+    neither compiled before nor stored; no bar when there are none). It redraws at most every
+    `_bar_interval()` seconds: often on a terminal, rarely into a log file.
+    `on_progress(done, total)` is called at the start and after each key is loaded or compiled:
+    `done` of the `total` distinct keys are ready, the ones compiled before included. An
+    exception from it stops the work: executables not yet started are not compiled, those
+    compiling finish, then it propagates.
+    """
+    unique = list(dict.fromkeys(keys))
+    done = sum(key in self.compiled for key in unique)
+    if on_progress is not None:
+      on_progress(done, len(unique))
     todo = []
-    for key in dict.fromkeys(keys):  # stored executables load here, one at a time
+    for key in unique:  # stored executables load here, one at a time
       if key not in self.compiled:
         loaded = self._load(key)
         if loaded is None:
           todo.append(key)
-        else:
-          self.compiled[key], self.compile_seconds[key] = loaded
-    workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cg_jax-compile") \
-        as pool:
-      futures = {pool.submit(self._compile, key): key for key in todo}
-      for future in tqdm(concurrent.futures.as_completed(futures), total=len(futures),
-                         desc="compiling", disable=not progress, unit="exe"):
-        key = futures[future]
-        self.compiled[key], self.compile_seconds[key] = future.result()
+          continue
+        self.compiled[key], self.compile_seconds[key] = loaded
+        done += 1
+        if on_progress is not None:
+          on_progress(done, len(unique))
+    if todo:
+      workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
+      pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cg_jax-compile")
+      bar = tqdm(total=len(todo), desc="compiling", unit="exe", disable=not progress,
+                 file=sys.stderr, mininterval=_bar_interval())
+      try:
+        futures = {pool.submit(self._compile, key): key for key in todo}
+        for future in concurrent.futures.as_completed(futures):
+          key = futures[future]
+          self.compiled[key], self.compile_seconds[key] = future.result()
+          bar.update()
+          done += 1
+          if on_progress is not None:
+            on_progress(done, len(unique))
+      finally:  # on an error, the compiles not started are dropped; the running ones finish
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
     return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
 
   def share(self, other: "ExecutableTable", *, except_kinds: tuple[str, ...] = ()) -> None:
@@ -314,6 +346,15 @@ class ExecutableTable:
       if key[0] not in except_kinds:
         self.compiled[key] = exe
         self.compile_seconds[key] = other.compile_seconds.get(key, 0.0)
+
+
+def _bar_interval() -> float:
+  """Seconds between redraws of the compile bar: 0.1 on a terminal; 10 when stderr is a file or
+  a pipe (each redraw there is one more carriage-return segment in the log)."""
+  try:
+    return 0.1 if sys.stderr.isatty() else 10.0
+  except (AttributeError, ValueError):  # no stderr, or a closed one
+    return 10.0
 
 
 def _build_digest(model: DecoderConfig, config: EngineConfig, dtype) -> str:

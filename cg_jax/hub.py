@@ -1,9 +1,12 @@
 """Finding a model: a checkpoint directory, a model bundled with the package, or a Hugging Face
-model name in the local HF cache."""
+model name in the local HF cache (looked up by `huggingface_hub`, never over the network)."""
 
 from __future__ import annotations
 
 import os
+
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.utils import HFValidationError, LocalEntryNotFoundError
 
 import models
 from models.config import PRESETS
@@ -30,7 +33,9 @@ def looks_like_path(name: str) -> bool:
 
 def resolve_model(name: str | os.PathLike) -> str:
   """A checkpoint directory (`~` expanded), a bundled model's name, or a Hugging Face model name
-  found in the local HF cache.
+  found in the local HF cache: the snapshot that the cache's `main` ref names
+  (`huggingface_hub.snapshot_download(name, local_files_only=True)`), in huggingface_hub's cache
+  directory (HF_HUB_CACHE, else HF_HOME/hub; read when huggingface_hub is imported).
 
   Raises:
     ValueError: neither a directory nor a cached model (no network access is attempted).
@@ -47,22 +52,11 @@ def resolve_model(name: str | os.PathLike) -> str:
       raise ValueError(f"model {path!r}: {absolute} is a file, not a checkpoint directory; pass "
                        "the directory that holds config.json and model.safetensors")
     raise ValueError(f"model {path!r}: there is no checkpoint directory at {absolute}")
-  hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-      os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
-      "hub")
-  repo = os.path.join(hub, "models--" + path.replace("/", "--"))
-  snapshots = os.path.join(repo, "snapshots")
-  ref = os.path.join(repo, "refs", "main")
-  if os.path.isfile(ref):
-    with open(ref) as f:
-      candidate = os.path.join(snapshots, f.read().strip())
-    if os.path.isdir(candidate):
-      return candidate
-  if os.path.isdir(snapshots) and os.listdir(snapshots):
-    newest = max(os.listdir(snapshots), key=lambda s: os.path.getmtime(os.path.join(snapshots, s)))
-    return os.path.join(snapshots, newest)
-  raise ValueError(
-      f"model {path!r} is not a directory, a bundled model ({', '.join(bundled_models())}), a "
-      f"preset ({', '.join(PRESETS)}), or a model in the "
-      f"local Hugging Face cache ({hub}); no network access is attempted. Download it first "
-      f"(e.g. `huggingface-cli download {path}`) or pass a checkpoint directory.")
+  try:
+    return snapshot_download(path, local_files_only=True)
+  except (LocalEntryNotFoundError, HFValidationError):  # not cached, or not a Hub name at all
+    raise ValueError(
+        f"model {path!r} is not a directory, a bundled model ({', '.join(bundled_models())}), a "
+        f"preset ({', '.join(PRESETS)}), or a model in the local Hugging Face cache "
+        f"({constants.HF_HUB_CACHE}); no network access is attempted. Download it first (e.g. "
+        f"`hf download {path}`) or pass a checkpoint directory.") from None

@@ -6,8 +6,10 @@ reads the Chrome-format trace and reports per step: GPU kernels executed, CUDA-g
 does not tag with a `cuda_graph_id`), memcpy operations, host time spent dispatching, GPU busy
 time and the idle-gap share of the device timeline. Kernels inside a graph's WHILE/CONDITIONAL
 child graphs are not reported by CUPTI, so `kernels_per_step` undercounts in that case; the
-profiler also slows the host, so `time_decode`'s wall-clock dispatch time is the truer number. On CPU the same code runs and reports what exists
-there (no device streams, no graph launches).
+profiler also slows the host, so `time_decode`'s wall-clock dispatch time is the truer number.
+On the CPU the same code runs, but its trace has no device streams and no CUDA graphs: the
+counters of those (`GPU_COUNTERS`) are zeros that mean nothing, and
+`LaunchReport.as_dict(gpu_counters=False)` gives them as None.
 
 `time_decode(engine, batch)` times steps with the token fed back on the device (pipelined) or
 read back to the host each step.
@@ -42,6 +44,12 @@ _DISPATCH = (re.compile(r"^PjitFunction"), re.compile(r"LoadedExecutable::Execut
              re.compile(r"ExecuteHelper"))
 
 
+# LaunchReport fields that count the GPU's activity (CUPTI's device streams, CUDA-graph launches).
+GPU_COUNTERS = ("kernels_per_step", "graph_launches_per_step",
+                "kernel_launches_outside_graphs_per_step", "memcpy_per_step", "gpu_busy_us",
+                "device_window_us", "idle_gap_share", "top_kernels")
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchReport:
   """Per-step launch accounting of a profiled run."""
@@ -58,8 +66,13 @@ class LaunchReport:
   dispatch_event: str | None
   top_kernels: tuple[tuple[str, float], ...] = ()  # (kernel family, device us per step)
 
-  def as_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+  def as_dict(self, gpu_counters: bool = True) -> dict[str, Any]:
+    """The fields; with gpu_counters=False (a trace from another backend) the GPU_COUNTERS ones
+    are None."""
+    fields = dataclasses.asdict(self)
+    if not gpu_counters:
+      fields.update(dict.fromkeys(GPU_COUNTERS))
+    return fields
 
 
 def _load_events(trace: str | dict) -> list[dict]:

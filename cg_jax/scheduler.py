@@ -103,7 +103,8 @@ class Group:
     self.error: BaseException | None = None
     self.lives: list[_Live] = []
     self.submitted_at = time.perf_counter()
-    self.first_token_at: float | None = None
+    self.first_token_at: float | None = None  # the group's first token, any row
+    self.row_first_token_at: list[float | None] = [None] * rows  # each row's first token
     self.finished_at: float | None = None
     self._open = rows
     self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
@@ -111,11 +112,14 @@ class Group:
   # The engine thread's side.
 
   def _emit(self, tokens: dict[int, int], scores: dict[int, np.ndarray]) -> None:
+    now = time.perf_counter()
     if self.first_token_at is None:
-      self.first_token_at = time.perf_counter()
+      self.first_token_at = now
     for row, score in scores.items():
       self.scores[row].append(score)
     for row, token in tokens.items():
+      if not self.tokens[row]:
+        self.row_first_token_at[row] = now
       self.tokens[row].append(token)
     self._events.put(tokens)
     self._notify()

@@ -10,10 +10,14 @@ Rules:
     closed engine a 503, a request past its `request_timeout` a 504.
   * The event loop never blocks on the engine: tokens arrive through the handles' `async for`.
   * A client that disconnects cancels its requests, which frees their slots.
-  * The app's lifespan warms the engine up before the first request, log-probabilities'
-    executables included (nothing compiles on the request path), and closes it at shutdown;
-    uvicorn's graceful shutdown lets in-flight requests finish for `graceful_timeout` seconds,
-    then cancels them.
+  * `serve` binds its socket before anything compiles (a busy port fails at once,
+    `ListenError`). The app's lifespan starts the engine's warm-up (`Warmup`: log-probabilities'
+    executables included, so nothing compiles on the request path) in a thread while the server
+    already answers: until it is done, /health is a 503 saying how far it got and the API a 503
+    (code "warming_up"); its progress goes to the log. A failed warm-up keeps /health at 500 with
+    the reason and stops `serve` (`WarmupFailed`). At shutdown the lifespan stops a warm-up
+    still running (the compiles in flight finish) and closes the engine; uvicorn's graceful
+    shutdown lets in-flight requests finish for `graceful_timeout` seconds, then cancels them.
   * `temperature` 0 is greedy; `top_k` (0 or -1 = off), `ignore_eos` and `return_token_ids`
     (token ids in each choice and chunk) are extensions. `n`, `best_of` are 1; `suffix`,
     penalties, `logit_bias` and tools are not supported (400).
@@ -25,10 +29,10 @@ Rules:
     A token's string is `tokenizer.decode([id], skip_special_tokens=False)` (`_TokenText`).
   * `echo: true` (/v1/completions) starts each choice's text with its prompt (the string as
     given, or the token ids decoded) and, with `logprobs`, its logprobs with the prompt's tokens
-    (`engine.score`; the first token's are null): then the prompt may have at most the largest
-    prompt bucket's tokens. `max_tokens: 0` needs `echo` and generates nothing (finish_reason
-    "length"): how evaluation harnesses score prompts. Streamed, the prompt comes first, in a
-    chunk of its own.
+    (`engine.score`; the first token's are null). `max_tokens: 0` needs `echo` and generates
+    nothing (finish_reason "length"): how evaluation harnesses score prompts; then the prompt
+    may fill the context (max_seq_len tokens), scored or not. Streamed, the prompt comes first,
+    in a chunk of its own.
 """
 
 from __future__ import annotations
@@ -36,14 +40,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
+import logging
 import math
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar
 
 import fastapi
@@ -74,6 +81,11 @@ NO_TOKENIZER = "send the prompt to /v1/completions as token ids"  # what to do w
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# The warm-up compiles these phases' executables: serving and log-probabilities (`echo` included).
+WARMUP_PHASES = (*SERVING_PHASES, "logprobs")
+PROGRESS_EVERY = 5.0  # seconds between the warm-up's progress lines in the log
+# uvicorn's log (its format and level): the server's own lines go there too.
+log = logging.getLogger("uvicorn.error")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -439,6 +451,7 @@ class Service:
     self.metrics = Metrics(engine)
     self.names = None if engine.tokenizer is None else _TokenText(engine.tokenizer)
     self.closing = False
+    self.warmup: Warmup | None = None  # None: nothing to wait for
     self.created = int(time.time())
 
   # Validation --------------------------------------------------------------------------------
@@ -496,9 +509,11 @@ class Service:
     except (ValueError, TypeError) as error:
       raise _bad("stop", str(error)) from None
     greedy = temperature == 0
+    # OpenAI's sampling fields have no effect at temperature 0: pass none (no engine warning).
     options = dict(do_sample=not greedy, temperature=temperature,
-                   top_k=0 if greedy else top_k, top_p=1.0 if greedy else top_p, seed=body.seed,
-                   stop=list(stop) or None, timeout=self.request_timeout)
+                   top_k=0 if greedy else top_k, top_p=1.0 if greedy else top_p,
+                   seed=None if greedy else body.seed, stop=list(stop) or None,
+                   timeout=self.request_timeout)
     if body.ignore_eos:
       options["eos_token_id"] = []
     return options
@@ -514,26 +529,43 @@ class Service:
 
   def _lengths(self, prompts: list[list[int]], max_tokens: int | None, param: str,
                max_param: str, echo: bool = False) -> list[int]:
-    """Each prompt's token budget: `max_tokens`, or (None) the rest of the context; 0 only with
-    `echo` (nothing generated)."""
+    """Each prompt's token budget: `max_tokens`, or (None) the rest of the context. A prompt may
+    have 1 to max_seq_len - 1 tokens (room for one generated token); with `echo` and
+    `max_tokens: 0` (nothing generated: the prompt is shown, or scored) up to max_seq_len.
+    `max_tokens: 0` without `echo` is a 400 naming `echo`, not the context."""
     context = self.engine.config.max_seq_len
+    completions = param == "prompt"  # (chat has no `echo`)
+    only_prompt = echo and max_tokens == 0
+    if max_tokens == 0 and completions and not echo:
+      room = context - max(len(ids) for ids in prompts)
+      allowed = f"1 to {room}" if room >= 1 else ">= 1"
+      raise _bad(max_param, f"{max_param}=0 needs echo=true: it generates nothing, so the "
+                            f"response would be empty (with echo=true it shows the prompt, and "
+                            f"with logprobs scores it); allowed {max_param} {allowed}, or 0 with "
+                            "echo=true")
     budgets = []
     for i, ids in enumerate(prompts):
       which = {"messages": "the rendered chat"}.get(param, "the prompt")
       if len(prompts) > 1:
         which = f"{param}[{i}]"
-      if len(ids) >= context:
-        raise _bad(param, f"{which} has {len(ids)} tokens; the context holds {context} tokens "
-                          f"(prompt + completion), so a prompt may have 1 to {context - 1}",
+      if only_prompt and len(ids) > context:
+        raise _bad(param, f"{which} has {len(ids)} tokens; with echo=true and {max_param}=0 a "
+                          f"prompt may have 1 to {context} tokens (the context)",
                    code="context_length_exceeded")
+      if not only_prompt and len(ids) >= context:
+        also = f", or {context} with echo=true and {max_param}=0" if completions else ""
+        raise _bad(param, f"{which} has {len(ids)} tokens; the context holds {context} tokens "
+                          f"(prompt + completion), so a prompt may have 1 to {context - 1}"
+                          f"{also}", code="context_length_exceeded")
       room = context - len(ids)
       if max_tokens is None:
         budgets.append(room)
-      elif not (1 <= max_tokens <= room or (echo and max_tokens == 0)):
-        zero = "" if param == "messages" else ", or 0 with echo=true"
+      elif not (1 <= max_tokens <= room or only_prompt):
+        zero = ", or 0 with echo=true" if completions else ""
         raise _bad(max_param, f"{max_param}={max_tokens} is out of range: {which} has {len(ids)} "
                               f"tokens and the context holds {context}; allowed {max_param} 1 "
-                              f"to {room}{zero}", code="context_length_exceeded")
+                              f"to {room}{zero}",
+                   code="context_length_exceeded" if max_tokens > room else None)
       else:
         budgets.append(max_tokens)
     return budgets
@@ -567,8 +599,7 @@ class Service:
     return self.engine.tokenizer
 
   def completion_jobs(self, body: CompletionRequest) -> list[Job]:
-    """The jobs of a completion request; `echo` with `logprobs` needs prompts that fit the
-    largest prompt bucket (`engine.score`)."""
+    """The jobs of a completion request."""
     self._check_model(body.model)
     self._check_unsupported(body)
     options = self._sampling(body)
@@ -583,14 +614,6 @@ class Service:
     budgets = self._lengths(prompts, max_tokens, "prompt", "max_tokens", echo=echo)
     texts: list[str | None] = [None] * len(prompts)
     if echo:
-      if top is not None:
-        limit = self.engine.config.buckets.prompt_lengths[-1]
-        for i, ids in enumerate(prompts):
-          if len(ids) > limit:
-            which = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            raise _bad("echo", f"echo=true with logprobs scores the prompt, which may have 1 to "
-                               f"{limit} tokens (the largest prompt bucket); {which} has "
-                               f"{len(ids)}", code="context_length_exceeded")
       if isinstance(body.prompt, str):
         texts = [body.prompt]
       elif isinstance(body.prompt[0], str):
@@ -650,6 +673,18 @@ class Service:
     if self.closing:
       raise ApiError(503, "the server is shutting down", type="server_error",
                      code="engine_closed")
+
+  def check_ready(self) -> None:
+    """A 503 unless the server takes requests: open, and warmed up."""
+    warm = self.warmup
+    if warm is not None and warm.state == "failed":
+      raise ApiError(503, f"the server cannot serve: its warm-up failed ({warm.error})",
+                     type="server_error", code="warmup_failed")
+    self.check_open()
+    if warm is not None and warm.state != "ready":
+      raise ApiError(503, f"the server is warming up ({warm.done} of {warm.total} executables "
+                          f"ready after {warm.elapsed():.0f} s): retry once GET /health answers "
+                          "200", type="server_error", code="warming_up")
 
   async def scores(self, jobs: list[Job]) -> list[list | None]:
     """Per job, its prompt's `engine.score` (tokens 1..n-1) if it reports them, else None."""
@@ -1031,6 +1066,98 @@ def completion_response(model: str, jobs: Sequence[Job], completions: Sequence[C
 
 
 # --------------------------------------------------------------------------------------------------
+# Warm-up
+
+
+class _Stop(Exception):
+  """Raised in the warm-up thread by its progress callback: `Warmup.stop` was called."""
+
+
+class Warmup:
+  """The engine's warm-up (`engine.warmup` of `WARMUP_PHASES`), run in a thread of its own
+  ("cg_jax-warmup") while the server already answers.
+
+  `state` is "warming up", then "ready", "failed" (`error` says why; `on_failure`, if set, is
+  called in the warm-up thread) or "stopped" (`stop` came first). `done` of `total` executables
+  are ready (loaded or compiled). The start, the end and a failure are logged; `report` logs
+  the progress every PROGRESS_EVERY seconds.
+  """
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self.total = len(engine.executable_keys(phases=WARMUP_PHASES))
+    self.done = 0
+    self.state = "warming up"
+    self.error: str | None = None
+    self.on_failure: Callable[[], None] | None = None
+    self._started = self._ended = None
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def start(self) -> None:
+    self._started = time.monotonic()
+    self._thread = threading.Thread(target=self._run, name="cg_jax-warmup")
+    self._thread.start()
+
+  def elapsed(self) -> float:
+    """Seconds since the start, up to the end."""
+    if self._started is None:
+      return 0.0
+    return (self._ended or time.monotonic()) - self._started
+
+  def stop(self) -> None:
+    """Stop warming up (executables not started are not compiled; those compiling finish) and
+    wait for the thread to end."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+
+  def status(self) -> dict[str, Any]:
+    """/health's body while not ready."""
+    if self.state == "failed":
+      return {"status": "warm-up failed", "error": self.error}
+    return {"status": self.state, "executables_done": self.done,
+            "executables_total": self.total, "elapsed_s": round(self.elapsed(), 1)}
+
+  async def report(self) -> None:
+    """Log the progress every PROGRESS_EVERY seconds until the warm-up ends."""
+    while self.state == "warming up":
+      await asyncio.sleep(PROGRESS_EVERY)
+      if self.state == "warming up":
+        log.info("warming up: %d of %d executables ready, %.0f s", self.done, self.total,
+                 self.elapsed())
+
+  def _progress(self, done: int, total: int) -> None:
+    self.done, self.total = done, total
+    if self._stop.is_set():
+      raise _Stop()
+
+  def _run(self) -> None:
+    log.info("warming up: %d executables to load or compile; /health answers 503 until they "
+             "are ready", self.total)
+    try:
+      self.engine.warmup(phases=WARMUP_PHASES, progress=False, on_progress=self._progress)
+    except _Stop:
+      self._end("stopped")
+      log.info("warm-up stopped after %d of %d executables, %.1f s", self.done, self.total,
+               self.elapsed())
+    except Exception as error:  # noqa: BLE001 - reported by /health, the log and `serve`
+      self.error = f"{type(error).__name__}: {error}"
+      self._end("failed")
+      log.error("warm-up failed after %d of %d executables, %.1f s: %s", self.done, self.total,
+                self.elapsed(), self.error, exc_info=error)
+      if self.on_failure is not None:
+        self.on_failure()
+    else:
+      self._end("ready")
+      log.info("warmed up: %d executables in %.1f s; serving", self.total, self.elapsed())
+
+  def _end(self, state: str) -> None:
+    self._ended = time.monotonic()
+    self.state = state
+
+
+# --------------------------------------------------------------------------------------------------
 # The app
 
 
@@ -1045,7 +1172,8 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
 
   Args:
     chat_template: the template of /v1/chat/completions (`load_chat_template`), or None.
-    warmup: compile the serving executables at start-up (`engine.warmup`).
+    warmup: compile the serving executables at start-up (`Warmup`: in a thread, while the
+      server answers 503 "warming up"); False: the engine is taken as warmed up.
     close_engine: close the engine when the app shuts down.
     request_timeout: seconds each request may take (None: no limit); past it, a 504.
   """
@@ -1053,14 +1181,21 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
     raise ValueError(f"request_timeout must be None or a number of seconds > 0, got "
                      f"{request_timeout!r}")
   service = Service(engine, model_name, chat_template, request_timeout)
+  if warmup:
+    service.warmup = Warmup(engine)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
-    if warmup:  # with the log-probability executables (decode, prompt tokens, `echo`'s scoring)
-      await asyncio.to_thread(engine.warmup, phases=(*SERVING_PHASES, "logprobs"),
-                              progress=False)
+    warm = service.warmup
+    report = None
+    if warm is not None:  # answering meanwhile: /health and the API say "warming up" (503)
+      warm.start()
+      report = asyncio.create_task(warm.report())
     yield
     service.closing = True
+    if warm is not None:
+      report.cancel()
+      await asyncio.to_thread(warm.stop)
     if close_engine:
       await asyncio.to_thread(engine.close)
 
@@ -1108,10 +1243,12 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: fastapi.Request):
+    service.check_ready()
     return await run(request, body, service.completion_jobs(body), chat=False)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
+    service.check_ready()
     return await run(request, body, service.chat_jobs(body), chat=True)
 
   def model_card() -> dict[str, Any]:
@@ -1129,8 +1266,13 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
 
   @app.get("/health")
   async def health():
+    warm = service.warmup
+    if warm is not None and warm.state == "failed":
+      return JSONResponse(warm.status(), status_code=500)
     if service.closing:
       return JSONResponse({"status": "shutting down"}, status_code=503)
+    if warm is not None and warm.state != "ready":
+      return JSONResponse(warm.status(), status_code=503)
     return {"status": "ok"}
 
   @app.get("/metrics")
@@ -1149,6 +1291,65 @@ def load_chat_template(model: str | os.PathLike) -> ChatTemplate | None:
   return ChatTemplate.from_directory(resolve_model(name))
 
 
+class ListenError(OSError):
+  """The server cannot listen where it was asked; `param` names the culprit, "host" or
+  "port"."""
+
+  def __init__(self, param: str, message: str):
+    super().__init__(message)
+    self.param = param
+
+  def __str__(self) -> str:
+    return self.args[0]
+
+
+class WarmupFailed(RuntimeError):
+  """`serve` stopped because the engine's warm-up failed (the message says why)."""
+
+
+def listen(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
+  """A TCP socket bound to (host, port) and listening, for `serve` (port 0: a free port, which
+  `getsockname()` tells). Binding before anything compiles makes a busy port fail at once:
+  raises `ListenError` naming the host or the port and why."""
+  if not (isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535):
+    raise ListenError("port", f"port must be 0 to 65535 (0: any free port), got {port!r}")
+  where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  try:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    sock.bind((host, port))
+    sock.listen(2048)
+  except OSError as error:
+    sock.close()
+    if isinstance(error, socket.gaierror):
+      raise ListenError("host", f"{host!r} is neither an address nor a known host name "
+                                f"({error.strerror})") from error
+    if error.errno == errno.EADDRINUSE:
+      raise ListenError("port", f"address {where} is in use (another server listens there): "
+                                "stop it or choose another port (0: any free one)") from error
+    if error.errno == errno.EACCES:
+      raise ListenError("port", f"permission denied to listen on {where}: ports below 1024 "
+                                "need privileges; allowed 1024 to 65535, or 0 (any free "
+                                "one)") from error
+    if error.errno == errno.EADDRNOTAVAIL:
+      raise ListenError("host", f"{host} is not an address of this machine: allowed one of "
+                                "its interfaces' addresses, 127.0.0.1 (this machine only) or "
+                                "0.0.0.0 (every interface)") from error
+    raise ListenError("host", f"cannot listen on {where}: {error.strerror or error}") from error
+  return sock
+
+
+class _Server(uvicorn.Server):
+  """uvicorn's server, which also logs where it listens when it is handed its socket."""
+
+  async def startup(self, sockets=None) -> None:
+    await super().startup(sockets=sockets)
+    if self.started and sockets:
+      host, port = self.config.host, sockets[0].getsockname()[1]
+      log.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+               f"[{host}]" if ":" in host else host, port)
+
+
 class _Stopped(Exception):
   """SIGTERM, raised once uvicorn has shut down."""
 
@@ -1158,20 +1359,38 @@ def _stopped(signum, frame):
 
 
 def serve(app: fastapi.FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
-          graceful_timeout: float = 30.0, log_level: str = "info") -> None:
-  """Run `app` with uvicorn until SIGINT / SIGTERM: in-flight requests get `graceful_timeout`
-  seconds to finish, the rest are cancelled, then the app shuts down (closing the engine) and
-  this returns. uvicorn handles signals in the main thread only; from another thread, stop it
-  through `uvicorn.Server.should_exit` instead (see tests/test_server.py)."""
-  config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_level=log_level,
-                          timeout_graceful_shutdown=graceful_timeout)
+          sock: socket.socket | None = None, graceful_timeout: float = 30.0,
+          log_level: str = "info") -> None:
+  """Run `app` with uvicorn on `sock` (from `listen`; None: `listen(host, port)` here, so a bad
+  address raises `ListenError` before anything starts) until SIGINT / SIGTERM: in-flight
+  requests get `graceful_timeout` seconds to finish, the rest are cancelled, then the app shuts
+  down (stopping a warm-up still running, closing the engine) and this returns.
+
+  The server answers while the app's engine warms up (/health 503 until ready); if the warm-up
+  fails, the server shuts down and this raises `WarmupFailed`. uvicorn handles signals in the
+  main thread only; from another thread, stop it through `uvicorn.Server.should_exit` instead
+  (see tests/test_server.py)."""
+  if sock is None:
+    sock = listen(host, port)
+  config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], lifespan="on",
+                          log_level=log_level, timeout_graceful_shutdown=graceful_timeout)
+  live = _Server(config)
+  service = getattr(app.state, "service", None)
+  warm = None if service is None else service.warmup
+  if warm is not None:
+    warm.on_failure = lambda: setattr(live, "should_exit", True)
   main = threading.current_thread() is threading.main_thread()
   # uvicorn re-raises the signal it stopped on once it is done: end here instead.
   previous = signal.signal(signal.SIGTERM, _stopped) if main else None
   try:
-    uvicorn.Server(config).run()
+    live.run(sockets=[sock])
   except (_Stopped, KeyboardInterrupt):
     pass
   finally:
     if main:
       signal.signal(signal.SIGTERM, previous)
+    if warm is not None:
+      warm.stop()  # (done by the app's shutdown, unless a forced exit skipped it)
+    sock.close()
+  if warm is not None and warm.state == "failed":
+    raise WarmupFailed(f"the engine's warm-up failed: {warm.error}")

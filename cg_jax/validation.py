@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +19,22 @@ import numpy as np
 
 MAX_EOS_IDS = 8
 MAX_STOP_STRINGS = 8
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class IgnoredSamplingWarning(UserWarning):
+  """Sampling options were given to a greedy decode (do_sample=False or temperature 0), where
+  they have no effect."""
+
+
+def caller_stacklevel() -> int:
+  """The `warnings.warn` stacklevel, for a warning issued by the function that calls this, of
+  the nearest frame outside the cg_jax package: the user's call, however deep inside cg_jax the
+  warning is issued."""
+  frame, level = sys._getframe(1), 1
+  while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    frame, level = frame.f_back, level + 1
+  return level
 
 # Names users bring from Hugging Face transformers (or the OpenAI API), and what to use instead.
 FOREIGN_NAMES = {
@@ -154,7 +172,10 @@ def lengths(rows: list[np.ndarray], *, max_prompt_len: int, max_seq_len: int,
 
 def sampling(*, do_sample, temperature, top_k, top_p, seed, eos_token_id, default_eos,
              vocab_size: int) -> SamplingSettings:
-  """Validate sampling settings; temperature 0 (or do_sample=False) means greedy."""
+  """Validate sampling settings; temperature 0 (or do_sample=False) means greedy. A greedy
+  request with sampling options set (a temperature other than 0 and 1 without do_sample, top_k,
+  top_p, a seed) gets one `IgnoredSamplingWarning` naming them all, pointed at the user's
+  call."""
   if not isinstance(do_sample, (bool, np.bool_)):
     raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
   if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
@@ -165,9 +186,7 @@ def sampling(*, do_sample, temperature, top_k, top_p, seed, eos_token_id, defaul
     raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
   if not _is_real(top_p) or not (0.0 < top_p <= 1.0):  # NaN fails the comparison too
     raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
-  if seed is None:
-    seed = int(np.random.default_rng().integers(0, 2**32))
-  elif not _is_int(seed) or not 0 <= seed < 2**32:
+  if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
     raise ValueError(f"seed must be None or an int in [0, 2**32), got {seed!r}")
   if eos_token_id is None:
     eos = tuple(default_eos)
@@ -183,10 +202,19 @@ def sampling(*, do_sample, temperature, top_k, top_p, seed, eos_token_id, defaul
   if len(eos) > MAX_EOS_IDS:
     raise ValueError(f"eos_token_id has {len(eos)} ids; at most {MAX_EOS_IDS} are supported")
   greedy = (not do_sample) or temperature == 0
-  if greedy and (top_k != 0 or top_p != 1.0):
-    warnings.warn(f"top_k={top_k} / top_p={top_p} have no effect with greedy decoding "
-                  f"(do_sample={do_sample}, temperature={temperature}): pass do_sample=True and "
-                  f"temperature > 0 to sample", UserWarning, stacklevel=4)
+  if greedy:
+    # Off values: temperature 1 (the default) or 0 (greedy), top_k 0, top_p 1, seed None.
+    ignored = [f"{name}={value!r}" for name, value, off in (
+        ("temperature", temperature, do_sample or temperature in (0, 1)),
+        ("top_k", top_k, top_k == 0), ("top_p", top_p, top_p == 1), ("seed", seed, seed is None))
+        if not off]
+    if ignored:
+      warnings.warn(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect "
+                    f"with greedy decoding (do_sample={do_sample}, temperature={temperature}): "
+                    "pass do_sample=True and temperature > 0 to sample", IgnoredSamplingWarning,
+                    stacklevel=caller_stacklevel())
+  if seed is None:
+    seed = int(np.random.default_rng().integers(0, 2**32))
   return SamplingSettings(greedy=greedy, temperature=float(temperature), top_k=int(top_k),
                           top_p=float(top_p), seed=int(seed), eos_ids=eos)
 

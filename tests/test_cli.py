@@ -6,13 +6,19 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
+from huggingface_hub import constants as hf_constants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cg_jax import Engine, cli, hub
+from cg_jax import Engine, EngineConfig, cli, hub, profile
+from cg_jax.config import on_gpu
+from cg_jax.validation import IgnoredSamplingWarning
+from models.config import PRESETS
 from tests.helpers import hf_llama_config, random_tensors, write_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,7 +116,8 @@ def test_model_name_from_local_hf_cache(tmp_path, checkpoint, monkeypatch):
     os.symlink(checkpoint / name, snapshot / name)
   (repo / "refs").mkdir()
   (repo / "refs" / "main").write_text("abc123")
-  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+  # huggingface_hub reads HF_HUB_CACHE when it is imported (tests/test_hub.py runs a process).
+  monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
   engine = Engine.from_pretrained("acme/tiny", batch_buckets=(1,), prompt_buckets=(16,))
   assert engine.tokenizer is not None
   with pytest.raises(ValueError, match="no network access"):
@@ -154,6 +161,24 @@ def test_cli_profile_reports_per_step_numbers():
   report = json.loads(out.stdout)
   assert report["steps"] == 3 and report["graphs"] == "full"
   assert report["step_us"] > 0 and os.path.exists(report["trace"])
+  # On the CPU (JAX_PLATFORMS=cpu): the counters read from the GPU's trace are null.
+  assert report["gpu_counters"] is False
+  assert {key: report[key] for key in profile.GPU_COUNTERS} == dict.fromkeys(profile.GPU_COUNTERS)
+  assert report["host_dispatch_us"] > 0 and report["pipelined_call_us"] > 0
+
+
+def test_cli_profile_marks_the_gpu_counters_off_a_gpu(capsys):
+  assert cli.main(["profile", "--model", "tiny-llama", "--batch", "1", "--steps", "1",
+                   "--max-seq-len", "64", "--position", "20"]) == 0
+  rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+  printed = ("kernels_per_step", "graph_launches_per_step",
+             "kernel_launches_outside_graphs_per_step", "memcpy_per_step", "gpu_busy_us",
+             "idle_gap_share")
+  assert set(printed) <= set(profile.GPU_COUNTERS)
+  for key in printed:
+    assert (rows[key] == "n/a (needs a GPU)") == (not on_gpu()), (key, rows[key])
+  for key in ("step_us", "host_dispatch_wall_us", "pipelined_call_us", "host_dispatch_us"):
+    assert float(rows[key]) > 0, (key, rows[key])
 
 
 STATS = (r"time to first token [\d.]+ ms \| per token [\d.]+ ms \| [\d.]+ tokens/s \| "
@@ -188,12 +213,19 @@ def test_help_shows_every_default(monkeypatch, capsys):
     for action in command._actions:
       if action.dest != "help":
         assert action.help, f"{name} {action.option_strings[0]} has no help"
-        assert f"{action.help} (default: {action.default})" in shown, (name, action.dest)
+        if action.required:  # it has no default to show
+          assert f"{action.help} (default:" not in shown, (name, action.dest)
+          assert f"{action.help}" in shown, (name, action.dest)
+        else:
+          assert f"{action.help} (default: {action.default})" in shown, (name, action.dest)
     if name == "generate":
       assert "--max-new-tokens MAX_NEW_TOKENS tokens to generate per prompt (default: 32)" in shown
       assert "None = auto (bfloat16 on GPU, float32 elsewhere) (default: None)" in shown
     elif name == "profile":
-      assert "None = min(model context, 1024) (default: None)" in shown
+      assert f"--model MODEL {cli._MODEL_HELP} --batch" in shown
+      assert "None = min(model context, 2048) (default: None)" in shown
+      assert "None = auto (bfloat16 on GPU, float32 elsewhere) (default: None)" in shown
+      assert "they print as `n/a (needs a GPU)` (null in --json, with gpu_counters false)" in shown
     else:
       assert name == "serve", name
       assert "--port PORT port to listen on (0: any free one) (default: 8000)" in shown
@@ -262,29 +294,89 @@ def test_stop_and_text_prompts_need_a_tokenizer(tmp_path, monkeypatch, capsys):
   assert calls == []  # refused before building anything
 
 
+def _stop_at_warmup(monkeypatch) -> None:
+  """Replace `Engine.warmup` by one that raises `_Built`: the request was validated."""
+  def warmup(self, **options):
+    raise _Built
+
+  monkeypatch.setattr(Engine, "warmup", warmup)
+
+
+GREEDY = "no effect without --temperature > 0 (decoding greedily)\n"
+
+
 @pytest.mark.parametrize("flags, warning", [
-    (["--top-k", "5"], "warning: --top-k has no effect without --temperature > 0 (decoding "
-                       "greedily)\n"),
-    (["--top-k", "5", "--top-p", "0.9"], "warning: --top-k and --top-p have no effect without "
-                                         "--temperature > 0 (decoding greedily)\n"),
-    (["--top-p", "0.9", "--temperature", "0.7"], ""),
+    (["--top-k", "5"], f"warning: --top-k has {GREEDY}"),
+    (["--seed", "1"], f"warning: --seed has {GREEDY}"),
+    (["--top-k", "5", "--seed", "1"], f"warning: --top-k and --seed have {GREEDY}"),
+    (["--top-k", "5", "--top-p", "0.9"], f"warning: --top-k and --top-p have {GREEDY}"),
+    (["--top-p", "0.9", "--seed", "1", "--top-k", "5"],
+     f"warning: --top-k, --top-p and --seed have {GREEDY}"),
+    (["--top-p", "0.9", "--temperature", "0.7", "--seed", "1"], ""),
     (["--top-k", "0", "--top-p", "1"], ""),
 ])
 def test_sampling_flags_without_temperature_warn(monkeypatch, capsys, flags, warning):
-  _stop_at_build(monkeypatch)
-  with pytest.raises(_Built):
-    cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "1", *flags])
+  _stop_at_warmup(monkeypatch)
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")  # the engine's own warning would show, were it not filtered
+    with pytest.raises(_Built):
+      cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "1", *flags])
   assert capsys.readouterr().err == warning
 
 
-def test_sampling_flags_without_temperature_still_decode_greedily():
+def test_sampling_flags_without_temperature_warn_once_and_decode_greedily(capsys):
   greedy = Engine.from_pretrained("tiny-gpt2", batch_buckets=(1,), max_seq_len=32).generate(
       [[5, 6, 7]], max_new_tokens=6)
-  out = _run("generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", *SMALL, "--top-k", "5",
-             "--top-p", "0.5", "--json")
-  assert out.returncode == 0, out.stderr
-  assert "warning: --top-k and --top-p have no effect without --temperature > 0" in out.stderr
-  assert json.loads(out.stdout)["tokens"] == list(greedy)
+  for flags in (("--top-k", "5"), ("--seed", "1")):
+    with warnings.catch_warnings():
+      warnings.simplefilter("always")
+      assert cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", *SMALL,
+                       *flags, "--json"]) == 0
+    out = capsys.readouterr()
+    assert out.err == f"warning: {flags[0]} has {GREEDY}"  # one line: no engine warning too
+    assert json.loads(out.out)["tokens"] == list(greedy)
+
+
+def test_library_warnings_show_as_one_line(monkeypatch, capsys):
+  def from_pretrained(model, **options):
+    warnings.warn("something to know", UserWarning)
+    warnings.warn("said in flag names instead", IgnoredSamplingWarning)
+    raise _Built
+
+  monkeypatch.setattr(Engine, "from_pretrained", from_pretrained)
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    with pytest.raises(_Built):
+      cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "1"])
+  assert capsys.readouterr().err == "warning: something to know\n"
+
+
+def test_stats_line_reports_the_last_row_and_the_warmup_wall_time(monkeypatch, capsys):
+  """The stats line gives the last row's time to first token beside the first's, and the
+  warm-up's wall time (here far below the compile times the stand-in warm-up claims)."""
+  warmup = Engine.warmup
+
+  def claimed(self, **options):
+    return dict.fromkeys(warmup(self, **options), 100.0)
+
+  monkeypatch.setattr(Engine, "warmup", claimed)
+  args = ["generate", "--model", "tiny-gpt2", "--prompt-ids", "5,6,7", "--prompt-ids",
+          ",".join(map(str, range(1, 41))), "--max-new-tokens", "4", "--batch-buckets", "2",
+          "--max-seq-len", "64"]
+  assert cli.main(args) == 0
+  line = capsys.readouterr().out.splitlines()[-1]
+  match = re.fullmatch(r"time to first token ([\d.]+) ms \(last row ([\d.]+) ms\) \| per token "
+                       r"[\d.]+ ms \| [\d.]+ tokens/s \| warmup ([\d.]+) s \((\d+) executables\)",
+                       line)
+  assert match, line
+  first, last, wall, executables = map(float, match.groups())
+  assert first <= last and wall < 100 and executables > 0
+  assert cli.main([*args, "--json"]) == 0
+  stats = json.loads(capsys.readouterr().out)["stats"]
+  assert stats["compile_s"] == 100.0 * stats["executables"] and stats["warmup_s"] < 100
+  assert len(stats["ttft_s_rows"]) == 2 and stats["ttft_s_last"] == max(stats["ttft_s_rows"])
+  assert cli.main(args[:5] + args[7:]) == 0  # one prompt: no last row
+  assert "(last row" not in capsys.readouterr().out
 
 
 def test_profile_lengths_follow_the_model_context(tmp_path):
@@ -293,7 +385,10 @@ def test_profile_lengths_follow_the_model_context(tmp_path):
   assert cli.profile_lengths("tiny-gpt2", None, None) == (512, 256)
   assert cli.profile_lengths("tiny-llama", None, None) == (512, 256)
   assert cli.profile_lengths("gpt2", None, None) == (1024, 512)
-  assert cli.profile_lengths("llama-3.2-1b", None, None) == (1024, 512)
+  assert cli.profile_lengths("llama-3.2-1b", None, None) == (2048, 512)
+  for name in ("gpt2", "llama-3.2-1b"):  # generate's and serve's default (EngineConfig.create)
+    default = EngineConfig.create(PRESETS[name]).max_seq_len
+    assert cli.profile_lengths(name, None, None)[0] == default, name
   assert cli.profile_lengths("tiny-gpt2", 64, None) == (64, 32)
   assert cli.profile_lengths("tiny-gpt2", 64, 20) == (64, 20)
   (tmp_path / "config.json").write_text(json.dumps(hf_llama_config()))  # 256 positions
@@ -348,6 +443,15 @@ def test_generate_dtype_defaults_to_auto(monkeypatch):
   assert calls[0].get("dtype") is None and calls[1]["dtype"] == "bfloat16"
 
 
+def test_profile_defaults_are_generates(monkeypatch):
+  calls = _stop_at_build(monkeypatch)
+  for flags in ([], ["--dtype", "bfloat16", "--max-seq-len", "64"]):
+    with pytest.raises(_Built):
+      cli.main(["profile", "--model", "tiny-gpt2", *flags])
+  assert (calls[0]["dtype"], calls[0]["max_seq_len"]) == (None, 512)  # tiny-gpt2: 512 positions
+  assert (calls[1]["dtype"], calls[1]["max_seq_len"]) == ("bfloat16", 64)
+
+
 @pytest.mark.parametrize("name", ["./ckpt", "{tmp}/abs/model", "~/model", "ckpt/sub/dir", "ckpt/"])
 def test_path_like_model_is_not_a_hub_name(tmp_path, monkeypatch, name):
   name = name.format(tmp=tmp_path)
@@ -364,15 +468,43 @@ def test_path_like_model_is_not_a_hub_name(tmp_path, monkeypatch, name):
 
 def test_hub_names_and_files_get_their_own_hints(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+  monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
   for name in ("gpt3", "acme/tiny"):
     with pytest.raises(ValueError) as info:
       hub.resolve_model(name)
-    assert (f"no network access is attempted. Download it first (e.g. `huggingface-cli download "
-            f"{name}`) or pass a checkpoint directory.") in str(info.value)
+    assert (f"or a model in the local Hugging Face cache ({tmp_path / 'hub'}); no network access "
+            f"is attempted. Download it first (e.g. `hf download {name}`) or pass a checkpoint "
+            "directory.") in str(info.value)
   (tmp_path / "model.safetensors").write_bytes(b"")
   with pytest.raises(ValueError) as info:
     hub.resolve_model("./model.safetensors")
   assert str(info.value) == (
       f"model './model.safetensors': {tmp_path / 'model.safetensors'} is a file, not a checkpoint "
       "directory; pass the directory that holds config.json and model.safetensors")
+
+
+def test_serve_checks_the_port_before_building_anything(monkeypatch, capsys):
+  """`serve` binds --host:--port first: a busy port (or a bad host) fails at once, exit 2,
+  naming the flag and the address, before the model is built; a free one goes on to build,
+  and the socket is closed again when serve ends."""
+  calls = _stop_at_build(monkeypatch)
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    assert cli.main(["serve", "--model", "tiny-llama", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --port {port}: address 127.0.0.1:{port} is in use"), err
+    assert len(err.splitlines()) == 1 and calls == []
+  assert cli.main(["serve", "--host", "no-such-host.invalid", "--port", "0"]) == 2
+  assert capsys.readouterr().err.startswith("error: --host no-such-host.invalid: "
+                                            "'no-such-host.invalid' is neither an address")
+  assert cli.main(["serve", "--port", "65536"]) == 2
+  assert capsys.readouterr().err == ("error: --port 65536: port must be 0 to 65535 (0: any "
+                                     "free port), got 65536\n")
+  assert calls == []
+  with pytest.raises(_Built):
+    cli.main(["serve", "--model", "tiny-llama", "--port", str(port), "--max-seq-len", "64"])
+  assert [(c["model"], c["max_seq_len"]) for c in calls] == [("tiny-llama", 64)]
+  with socket.socket() as again:  # serve's socket was closed
+    again.bind(("127.0.0.1", port))

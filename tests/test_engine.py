@@ -66,6 +66,7 @@ def test_large_batch_is_split_into_runs(engine):
 # Warmup and compile counting
 
 
+@pytest.mark.filterwarnings("ignore::cg_jax.validation.IgnoredSamplingWarning")  # greedy rows
 def test_no_compiles_after_warmup(engine):
   before = compile_stats.compile_count()
   rng = np.random.default_rng(1)
@@ -213,6 +214,19 @@ def test_stats_are_reported(engine):
   for key in ("ttft_s", "per_token_s", "tokens_per_s"):
     assert result.stats[key] > 0
   assert result.stats["new_tokens"] == 6
+  assert result.stats["ttft_s_rows"] == [result.stats["ttft_s"]] == [result.stats["ttft_s_last"]]
+
+
+def test_every_row_has_its_time_to_first_token(engine):
+  # The 40-token prompt is prefilled in two chunks (32 + 8): its first token comes a step after
+  # the short prompts', which fit one chunk.
+  result = engine.generate(_prompts(8, [40, 3, 20]), max_new_tokens=5, eos_token_id=[])
+  stats = result.stats
+  rows = stats["ttft_s_rows"]
+  assert len(rows) == 3
+  assert min(rows) == stats["ttft_s"] and stats["ttft_s_last"] == max(rows)
+  assert all(stats["ttft_s"] <= t <= stats["total_s"] for t in rows)
+  assert rows[0] > stats["ttft_s"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Request-side behaviour of the public API: stop strings (generate and stream), names brought
-from transformers, the dtype default and its CPU warning, greedy decoding with sampling knobs."""
+from transformers, the dtype default and its CPU warning, greedy decoding with sampling knobs
+(one warning per call, naming them)."""
 
 import warnings
 
@@ -9,6 +10,7 @@ import pytest
 from cg_jax import Engine
 from cg_jax.generation import RowText
 from cg_jax.hub import DEFAULT_MODEL
+from cg_jax.validation import IgnoredSamplingWarning
 
 PROMPT = "And God said"
 
@@ -121,9 +123,48 @@ def test_cpu_dtype_default_and_warning():
     Engine.from_pretrained("tiny-gpt2", dtype="bfloat16", max_seq_len=32, prompt_buckets=(16,))
 
 
-def test_sampling_knobs_without_sampling_warn_and_decode_greedily(engine):
+SAMPLE = "pass do_sample=True and temperature > 0 to sample"
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(top_k=5), "top_k=5 has no effect with greedy decoding (do_sample=False, "
+                    f"temperature=1.0): {SAMPLE}"),
+    (dict(seed=3), f"seed=3 has no effect with greedy decoding (do_sample=False, "
+                   f"temperature=1.0): {SAMPLE}"),
+    (dict(temperature=0.7, top_k=5, top_p=0.9, seed=3),
+     "temperature=0.7, top_k=5, top_p=0.9, seed=3 have no effect with greedy decoding "
+     f"(do_sample=False, temperature=0.7): {SAMPLE}"),
+    (dict(do_sample=True, temperature=0, top_p=0.5, seed=3),
+     f"top_p=0.5, seed=3 have no effect with greedy decoding (do_sample=True, temperature=0): "
+     f"{SAMPLE}"),
+])
+def test_sampling_knobs_without_sampling_warn_once_per_call_and_decode_greedily(
+    engine, options, message):
   greedy = engine.generate([PROMPT], max_new_tokens=6)
-  with pytest.warns(UserWarning, match=r"top_k=5 / top_p=1.0 have no effect with greedy"):
-    assert engine.generate([PROMPT], max_new_tokens=6, top_k=5) == greedy
-  sampled = engine.generate([PROMPT], max_new_tokens=6, do_sample=True, top_k=5, seed=3)
-  assert np.all(np.asarray(sampled[0]) >= 0)
+  calls = {
+      "generate": lambda: engine.generate([PROMPT], max_new_tokens=6, **options),
+      "stream": lambda: engine.stream([PROMPT], max_new_tokens=6, **options),
+      "submit": lambda: engine.submit(PROMPT, max_new_tokens=6, **options),
+      "validate": lambda: engine.validate([PROMPT], 6, **options),
+  }
+  for name, call in calls.items():
+    with pytest.warns(IgnoredSamplingWarning) as record:
+      result = call()  # stream and submit warn when called, before any token is asked for
+    assert [str(r.message) for r in record] == [message], name
+    assert record[0].filename == __file__, name  # pointed at the call above, not at cg_jax
+    if name == "generate":
+      assert result == greedy
+    elif name == "stream":
+      assert [t for chunk in result for t in chunk.tokens.values()] == greedy[0]
+    elif name == "submit":
+      assert result.result().tokens == greedy[0]
+
+
+@pytest.mark.parametrize("options", [
+    {}, dict(temperature=0), dict(do_sample=True, temperature=0),
+    dict(do_sample=True, temperature=0.8, top_k=5, top_p=0.9, seed=3)])
+def test_sampling_options_that_take_effect_do_not_warn(engine, options):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tokens = engine.generate([PROMPT], max_new_tokens=6, **options)
+  assert np.all(np.asarray(tokens[0]) >= 0)

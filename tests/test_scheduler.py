@@ -301,8 +301,9 @@ def test_logprobs_match_the_reference(engine, options):
   assert [d.top_logprobs for d in deltas][0] == result.top_logprobs[0]
 
 
-def test_prompt_scores_match_the_reference(engine):
-  prompt = list(np.random.default_rng(22).integers(2, 263, (13,)))
+@pytest.mark.parametrize("length", [13, 64])  # a prompt bucket's; past the largest: the context
+def test_prompt_scores_match_the_reference(engine, length):
+  prompt = list(np.random.default_rng(22).integers(2, 263, (length,)))
   scores = engine.score(prompt, top=2)
   reference = _reference_logprobs(engine, prompt[:1], prompt[1:])
   assert len(scores) == len(prompt) - 1
@@ -314,5 +315,5 @@ def test_prompt_scores_match_the_reference(engine):
 def test_bad_logprobs_are_refused(engine):
   with pytest.raises(ValueError, match=r"logprobs must be None or an int in \[0, 20\], got 21"):
     engine.submit([3, 4], 2, logprobs=21)
-  with pytest.raises(ValueError, match="at most 16 tokens"):
-    engine.score(list(range(2, 30)))
+  with pytest.raises(ValueError, match=r"at most 64 tokens \(max_seq_len\), got 65"):
+    engine.score(list(range(2, 67)))

@@ -5,7 +5,10 @@ in-process `engine.generate` (text and token ids, streamed or not); log-probabil
 streams; a
 client that disconnects frees its slot; each bad request gets its status and message in OpenAI's
 format; /metrics, /health, /v1/models; chat templates rendered as transformers renders them;
-SIGTERM drains and exits; no thread is left behind."""
+SIGTERM drains and exits; start-up binds the port first (a busy one fails at once), answers 503
+while warming up (SIGTERM then exits cleanly), and a failed warm-up stops the server; the warm-up
+bar counts what compiles; echo with max_tokens 0 takes a full-context prompt; no thread is left
+behind."""
 
 import asyncio
 import contextlib
@@ -28,7 +31,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from cg_jax import Engine, server
+from cg_jax import Engine, cli, server
 from cg_jax.chat_template import ChatTemplate
 from cg_jax.hub import BUNDLED_DIR, DEFAULT_MODEL
 
@@ -75,8 +78,9 @@ def engine(checkpoint):
   return engine
 
 
-def _start(app):
-  """uvicorn serving `app` on 127.0.0.1 in a thread; returns (server, thread, port)."""
+def _start(app, ready: bool = True):
+  """uvicorn serving `app` on 127.0.0.1 in a thread, listening and (with `ready`) warmed up:
+  /health answers 200; returns (server, thread, port)."""
   config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
   live = uvicorn.Server(config)
   thread = threading.Thread(target=live.run, name="test-uvicorn", daemon=True)
@@ -85,7 +89,21 @@ def _start(app):
   while not live.started:
     assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
     time.sleep(0.02)
-  return live, thread, live.servers[0].sockets[0].getsockname()[1]
+  port = live.servers[0].sockets[0].getsockname()[1]
+  if ready:
+    _wait_health(port, 200)
+  return live, thread, port
+
+
+def _wait_health(port, status: int, timeout: float = 120) -> dict:
+  """/health's body once it answers `status`."""
+  deadline = time.monotonic() + timeout
+  while True:
+    got, body = _get(port, "/health")
+    if got == status:
+      return json.loads(body)
+    assert time.monotonic() < deadline, f"/health still answers {got}: {body!r}"
+    time.sleep(0.05)
 
 
 def _stop(live, thread):
@@ -95,8 +113,8 @@ def _stop(live, thread):
 
 
 @contextlib.contextmanager
-def _serving(app):
-  live, thread, port = _start(app)
+def _serving(app, ready: bool = True):
+  live, thread, port = _start(app, ready)
   try:
     yield port
   finally:
@@ -395,7 +413,11 @@ def test_bad_requests_get_their_status_and_message(client, port):
       (dict(temperature=-0.5), 400, "temperature", "allowed 0 to 2"),
       (dict(top_p=0), 400, "top_p", "up to 1"),
       (dict(max_tokens=400), 400, "max_tokens", "allowed max_tokens 1 to 253"),
-      (dict(max_tokens=0), 400, "max_tokens", "allowed max_tokens 1 to 253"),
+      (dict(max_tokens=0), 400, "max_tokens",
+       "max_tokens=0 needs echo=true: it generates nothing, so the response would be empty (with "
+       "echo=true it shows the prompt, and with logprobs scores it); allowed max_tokens 1 to 253, "
+       "or 0 with echo=true"),
+      (dict(max_tokens=-2), 400, "max_tokens", "allowed max_tokens 1 to 253, or 0 with echo"),
       (dict(prompt=list(range(1, 300))), 400, "prompt", "a prompt may have 1 to 255"),
       (dict(prompt=[5, 4096]), 400, "prompt", "allowed 0 to 4095"),
       (dict(prompt=""), 400, "prompt", "empty"),
@@ -408,9 +430,9 @@ def test_bad_requests_get_their_status_and_message(client, port):
       (dict(seed=-1), 400, "seed", "allowed 0 to 4294967295"),
       (dict(logprobs=21), 400, "logprobs", "allowed null (off) or 0 to 20"),
       (dict(logprobs=-1), 400, "logprobs", "allowed null (off) or 0 to 20"),
-      (dict(prompt=list(range(1, 41)), echo=True, logprobs=1), 400, "echo", "may have 1 to 32"),
-      (dict(prompt=[[5], list(range(1, 34))], echo=True, logprobs=0, max_tokens=0), 400, "echo",
-       "prompt[1] has 33"),
+      (dict(prompt=[[5], list(range(1, 258))], echo=True, logprobs=0, max_tokens=0), 400,
+       "prompt", "prompt[1] has 257 tokens; with echo=true and max_tokens=0 a prompt may have 1 "
+       "to 256 tokens (the context)"),
       (dict(stream_options={"include_usage": True}), 400, "stream_options", "stream=true"),
       (dict(extra_body={"frobnicate": 1}), 400, "frobnicate", "unrecognized"),
   ]
@@ -779,7 +801,8 @@ def test_sigterm_drains_and_exits():
   reader.start()
   try:
     port = ports.get(timeout=180)
-    status, metrics = _get(port, "/metrics")  # warmed up at start-up: the gauge exists, at 0
+    _wait_health(port, 200, timeout=300)
+    status, metrics = _get(port, "/metrics")  # warmed up: the gauge exists, at 0
     assert status == 200 and b"\ncg_jax_compiles_since_warmup 0.0\n" in metrics
     sock = _raw_post(port, "/v1/completions", {
         "model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0,
@@ -813,3 +836,303 @@ def test_the_runtime_and_cli_work_without_the_serve_extra():
                        text=True, timeout=120, check=False)
   assert out.returncode == 2, out.stderr
   assert "pip install 'cg_jax[serve]'" in out.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# Start-up: the port first, warm-up while listening
+
+
+def _warmup_threads():
+  return [t for t in threading.enumerate() if t.name == "cg_jax-warmup"]
+
+
+def test_listen_binds_first_and_names_a_busy_port(engine):
+  """`listen` binds and listens (port 0: a free port); a busy port is a `ListenError` naming
+  the port and the address, raised by `serve` before the app starts (its warm-up never runs)."""
+  with server.listen("127.0.0.1", 0) as sock:
+    port = sock.getsockname()[1]
+    assert port > 0
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()  # listening already
+    with pytest.raises(server.ListenError) as error:
+      server.listen("127.0.0.1", port)
+    assert error.value.param == "port"
+    assert str(error.value).startswith(f"address 127.0.0.1:{port} is in use")
+    app = server.create_app(engine, MODEL, close_engine=False)
+    started = time.monotonic()
+    with pytest.raises(server.ListenError, match=f"address 127.0.0.1:{port} is in use"):
+      server.serve(app, port=port)
+    assert time.monotonic() - started < 5
+    assert app.state.service.warmup.state == "warming up" and not _warmup_threads()
+  for port in (70000, -1, "8000"):
+    with pytest.raises(server.ListenError) as error:
+      server.listen("127.0.0.1", port)
+    assert error.value.param == "port"
+    assert str(error.value) == f"port must be 0 to 65535 (0: any free port), got {port!r}"
+  with pytest.raises(server.ListenError, match="neither an address nor a known host") as error:
+    server.listen("no-such-host.invalid", 0)
+  assert error.value.param == "host"
+  with server.listen("127.0.0.1", port=0) as sock:  # after the errors, listening still works
+    assert sock.getsockname()[1] > 0
+
+
+def test_health_and_the_api_answer_503_while_warming_up(engine):
+  """While the warm-up runs (held here), the server answers: /health 503 with the progress,
+  completions and chat a 503 in OpenAI's format (code "warming_up"), /v1/models 200; once it is
+  done, /health is 200 and completions equal `engine.generate`. No thread is left behind."""
+  before = set(threading.enumerate())
+  total = len(engine.executable_keys(phases=server.WARMUP_PHASES))
+  gate, calls = threading.Event(), []
+
+  def held(**options):
+    calls.append(options)
+    options["on_progress"](3, total)
+    assert gate.wait(60), "the test did not release the warm-up"
+    options["on_progress"](total, total)
+    return {}
+
+  app = server.create_app(engine, MODEL, close_engine=False)
+  warm = app.state.service.warmup
+  warm.engine = type("Held", (), {"warmup": staticmethod(held)})()
+  client = None
+  with _serving(app, ready=False) as port:
+    try:
+      deadline = time.monotonic() + 30
+      while not calls:
+        assert time.monotonic() < deadline, "the warm-up did not start"
+        time.sleep(0.01)
+      assert calls == [dict(phases=server.WARMUP_PHASES, progress=False,
+                            on_progress=calls[0]["on_progress"])]
+      status, body = _get(port, "/health")
+      health = json.loads(body)
+      assert status == 503 and health.pop("elapsed_s") >= 0
+      assert health == {"status": "warming up", "executables_done": 3, "executables_total": total}
+      client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                             timeout=TIMEOUT)
+      for call in (lambda: client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4),
+                   lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES)):
+        with pytest.raises(openai.InternalServerError) as error:
+          call()
+        assert error.value.status_code == 503 and error.value.code == "warming_up"
+        assert error.value.type == "server_error" and error.value.param is None
+        assert f"warming up (3 of {total} executables ready after" in error.value.message
+        assert "retry once GET /health answers 200" in error.value.message
+      status, raw = _post(port, "/v1/completions", dict(model=MODEL, prompt=[1, 2], max_tokens=2))
+      assert status == 503 and set(json.loads(raw)["error"]) == {"message", "type", "param", "code"}
+      assert [m.id for m in client.models.list().data] == [MODEL]
+      gate.set()
+      assert _wait_health(port, 200, timeout=30) == {"status": "ok"}
+      assert warm.state == "ready" and warm.done == total
+      reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                        temperature=0)
+      assert reply.choices[0].text == engine.generate([PROMPTS[0]], max_new_tokens=8).texts[0]
+    finally:
+      gate.set()
+      if client is not None:
+        client.close()
+  assert not _warmup_threads()
+  before |= set(_engine_threads())  # the module's engine (open: the app does not close it)
+  deadline = time.monotonic() + 10
+  while set(threading.enumerate()) - before and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not set(threading.enumerate()) - before
+
+
+def test_a_failed_warmup_keeps_health_failing_and_stops_serve(engine, checkpoint, monkeypatch,
+                                                               capsys):
+  """A warm-up that fails: /health stays 500 with the reason, the API answers 503
+  ("warmup_failed"); `serve` stops by itself and raises `WarmupFailed`, and `python -m cg_jax
+  serve` exits 1 with the reason in its log and its last line."""
+
+  def failing(**options):
+    options["on_progress"](2, 9)
+    raise RuntimeError("out of device memory")
+
+  app = server.create_app(engine, MODEL, close_engine=False)
+  app.state.service.warmup.engine = type("Failing", (), {"warmup": staticmethod(failing)})()
+  with _serving(app, ready=False) as port:
+    failed = {"status": "warm-up failed", "error": "RuntimeError: out of device memory"}
+    assert _wait_health(port, 500, timeout=30) == failed
+    status, raw = _post(port, "/v1/completions", dict(model=MODEL, prompt=[1, 2], max_tokens=2))
+    assert status == 503 and json.loads(raw)["error"] == {
+        "message": "the server cannot serve: its warm-up failed (RuntimeError: out of device "
+                   "memory)", "type": "server_error", "param": None, "code": "warmup_failed"}
+    time.sleep(0.3)
+    assert _get(port, "/health") == (500, json.dumps(failed, separators=(",", ":")).encode())
+  assert not _warmup_threads()
+
+  app = server.create_app(engine, MODEL, close_engine=False)
+  app.state.service.warmup.engine = type("Failing", (), {"warmup": staticmethod(failing)})()
+  outcome = []
+
+  def run():
+    try:
+      server.serve(app, port=0, log_level="critical")
+    except Exception as error:  # noqa: BLE001 - checked below
+      outcome.append(error)
+
+  thread = threading.Thread(target=run)
+  thread.start()
+  thread.join(timeout=60)
+  assert not thread.is_alive(), "serve did not stop after the failed warm-up"
+  assert len(outcome) == 1 and isinstance(outcome[0], server.WarmupFailed), outcome
+  assert str(outcome[0]) == "the engine's warm-up failed: RuntimeError: out of device memory"
+  assert not _warmup_threads()
+
+  monkeypatch.setattr(Engine, "warmup", lambda self, **options: failing(**options))
+  capsys.readouterr()
+  code = cli.main(["serve", "--model", str(checkpoint), "--port", "0", "--max-seq-len", "64",
+                    "--batch-buckets", "1", "--prompt-buckets", "16", "--log-level", "info"])
+  err = capsys.readouterr().err
+  assert code == 1, err
+  assert "warm-up failed after 2 of 9 executables" in err and "out of device memory" in err
+  assert err.splitlines()[-1] == ("error: the engine's warm-up failed: RuntimeError: out of "
+                                  "device memory")
+  assert not _warmup_threads()
+
+
+# The CLI with every compile held until the warm-up is stopped (so SIGTERM comes while it runs),
+# and a progress line in the log every 0.2 s.
+HELD_WARMUP = """
+import sys, threading
+from cg_jax import cli, executables, server
+server.PROGRESS_EVERY = 0.2
+released = threading.Event()
+compile_, stop = executables.ExecutableTable._compile, server.Warmup.stop
+def held(self, key):
+  released.wait(120)
+  return compile_(self, key)
+def stop_and_release(self):
+  released.set()
+  stop(self)
+executables.ExecutableTable._compile, server.Warmup.stop = held, stop_and_release
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_the_warmup_exits_cleanly():
+  """`python -m cg_jax serve` listens while it warms up: the log says where at once, then the
+  warm-up's progress in plain lines (no progress bar); /health is 503 meanwhile. SIGTERM then
+  stops the warm-up (the compiles in flight finish) and the process exits 0."""
+  command = [sys.executable, "-c", HELD_WARMUP, "serve", "--model", "tiny-llama",
+             "--max-seq-len", "64", "--batch-buckets", "1", "--prompt-buckets", "16",
+             "--port", "0"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", CG_JAX_COMPILATION_CACHE="off")
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  lines, ports, progress = [], queue.Queue(), threading.Event()
+
+  def read():
+    for line in process.stdout:
+      lines.append(line)
+      if found := re.search(r"running on http://127\.0\.0\.1:(\d+)", line):
+        ports.put(int(found[1]))
+      if re.search(r"warming up: \d+ of \d+ executables ready, \d+ s$", line):
+        progress.set()
+
+  reader = threading.Thread(target=read)
+  reader.start()
+  try:
+    port = ports.get(timeout=180)
+    status, body = _get(port, "/health")
+    assert status == 503 and json.loads(body)["status"] == "warming up", body
+    assert progress.wait(30), "".join(lines)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 0, "".join(lines)
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait()
+    reader.join(timeout=30)
+  log = "".join(lines)
+  total = int(re.search(r"warming up: (\d+) executables to load or compile", log)[1])
+  assert total > 5 and f"of {total} executables ready" in log
+  assert re.search(rf"warm-up stopped after \d+ of {total} executables", log), log
+  assert "warmed up" not in log and "Traceback" not in log, log
+  assert "compiling:" not in log and "\r" not in log, log
+  with pytest.raises(OSError):
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_warmup_shows_a_bar_only_for_what_it_compiles(capsys):
+  """engine.warmup's bar counts the executables it compiles (none: no bar); `on_progress`
+  counts every key, and an exception from it stops the warm-up."""
+  engine = Engine.from_pretrained("tiny-llama", max_seq_len=32, batch_buckets=(1,),
+                                  prompt_buckets=(16,))
+  engine.warmup(phases=("decode",), progress=True)
+  err = capsys.readouterr().err
+  assert "compiling: 100%" in err and "| 3/3 [" in err, err  # the cache and two decode steps
+  seen = []
+  engine.warmup(phases=("decode",), progress=True, on_progress=lambda *c: seen.append(c))
+  assert capsys.readouterr().err == "" and seen == [(3, 3)]
+  seen.clear()
+  engine.warmup(phases=("decode", "move"), progress=True, on_progress=lambda *c: seen.append(c))
+  err = capsys.readouterr().err
+  assert "| 1/1 [" in err and "0exe" not in err, err
+  assert seen == [(3, 4), (4, 4)]
+
+  class Enough(Exception):
+    pass
+
+  def stop_after_a_compile(done, total):
+    if done > 4:
+      raise Enough
+
+  keys = engine.executable_keys(phases=server.WARMUP_PHASES)
+  with pytest.raises(Enough):
+    engine.warmup(phases=server.WARMUP_PHASES, progress=False, workers=1,
+                  on_progress=stop_after_a_compile)
+  assert 5 <= sum(key in engine.executables.compiled for key in keys) < len(keys)
+  assert not [t for t in threading.enumerate() if t.name.startswith("cg_jax-compile")]
+  engine.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Scoring edges (lm-eval's local-completions)
+
+
+def test_echo_with_max_tokens_0_takes_a_prompt_of_the_whole_context(client, engine, port):
+  """echo=true with max_tokens=0 generates nothing, so a prompt may fill the context
+  (max_seq_len tokens), scored (logprobs) or not; max_tokens=0 without echo is a 400 naming
+  max_tokens and echo."""
+  context = OPTIONS["max_seq_len"]
+  full = [(7 * i) % 4000 + 1 for i in range(context)]
+  reply = client.completions.create(model=MODEL, prompt=full, echo=True, max_tokens=0)
+  (choice,) = reply.choices
+  assert choice.text == engine.tokenizer.decode(full) and choice.finish_reason == "length"
+  assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (context, 0)
+  cases = [
+      (dict(prompt=full + [5], echo=True, max_tokens=0), "prompt", "context_length_exceeded",
+       f"the prompt has {context + 1} tokens; with echo=true and max_tokens=0 a prompt may have 1 "
+       f"to {context} tokens (the context)"),
+      (dict(prompt=full, max_tokens=1), "prompt", "context_length_exceeded",
+       f"the prompt has {context} tokens; the context holds {context} tokens (prompt + "
+       f"completion), so a prompt may have 1 to {context - 1}, or {context} with echo=true and "
+       "max_tokens=0"),
+      (dict(prompt=[1, 2, 3], max_tokens=0), "max_tokens", None,
+       f"max_tokens=0 needs echo=true: it generates nothing, so the response would be empty "
+       f"(with echo=true it shows the prompt, and with logprobs scores it); allowed max_tokens 1 "
+       f"to {context - 3}, or 0 with echo=true"),
+      (dict(prompt=full, max_tokens=0, echo=False), "max_tokens", None,
+       "max_tokens=0 needs echo=true: it generates nothing, so the response would be empty "
+       "(with echo=true it shows the prompt, and with logprobs scores it); allowed max_tokens "
+       ">= 1, or 0 with echo=true"),
+  ]
+  for change, param, code, message in cases:
+    status, raw = _post(port, "/v1/completions", dict(model=MODEL, **change))
+    assert status == 400, raw
+    assert json.loads(raw) == {"error": {"message": message, "type": "invalid_request_error",
+                                         "param": param, "code": code}}
+  # After the errors, a full-context prompt is still echoed, and scored: each token's logprob
+  # is the cacheless float32 forward's log-softmax at the position before it.
+  again = client.completions.create(model=MODEL, prompt=full, echo=True, max_tokens=0)
+  assert again.choices[0].text == choice.text
+  scored = client.completions.create(model=MODEL, prompt=full, echo=True, max_tokens=0,
+                                     logprobs=1)
+  token_logprobs = scored.choices[0].logprobs.token_logprobs
+  assert len(token_logprobs) == context and token_logprobs[0] is None
+  # [S - 1, V]: the logits that predict tokens 1..S-1
+  logits = np.asarray(engine.logits([full])[0], np.float64)[:-1]
+  shifted = logits - logits.max(-1, keepdims=True)
+  log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  expected = log_probs[np.arange(context - 1), full[1:]]
+  np.testing.assert_allclose(token_logprobs[1:], expected, rtol=0, atol=2e-4)
