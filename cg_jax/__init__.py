@@ -2,8 +2,9 @@
 
 Public entry points:
   Engine.from_pretrained(path_or_preset, dtype=...), engine.warmup(), engine.generate(...),
-  engine.stream(...), engine.logits(...), engine.stats(); the configuration tree EngineConfig,
-  ForwardConfig and the kernels' DecodeAttentionConfig and FlashAttentionConfig.
+  engine.stream(...), engine.logits(...), engine.stats(); a request's SamplingParams (and its
+  ParamError); the configuration tree EngineConfig, ForwardConfig and the kernels'
+  DecodeAttentionConfig and FlashAttentionConfig.
 """
 
 from cg_jax.buckets import Buckets
@@ -12,8 +13,10 @@ from cg_jax.engine import Engine
 from cg_jax.generation import GenerationResult, StreamChunk
 from cg_jax.kernels.decode_attention import DecodeAttentionConfig
 from cg_jax.kernels.flash_attention import FlashAttentionConfig
+from cg_jax.sampling_params import ParamError, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["Buckets", "DecodeAttentionConfig", "Engine", "EngineConfig", "FlashAttentionConfig",
-           "ForwardConfig", "GenerationResult", "StreamChunk", "__version__"]
+           "ForwardConfig", "GenerationResult", "ParamError", "SamplingParams", "StreamChunk",
+           "__version__"]

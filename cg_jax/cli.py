@@ -19,6 +19,7 @@ from cg_jax.config import on_gpu
 from cg_jax.engine import Engine
 from cg_jax.graphs import GRAPH_MODES
 from cg_jax.hub import DEFAULT_MODEL, resolve_model
+from cg_jax.sampling_params import ParamError, SamplingParams
 from cg_jax.validation import IgnoredSamplingWarning
 from models import hf
 from models.config import PRESETS
@@ -270,13 +271,13 @@ def _warn_greedy(args) -> None:
           file=sys.stderr)
 
 
-def _stream(engine, inputs, prefix: str, max_new_tokens: int, options: dict) -> dict[str, float]:
+def _stream(engine, inputs, prefix: str, params: SamplingParams) -> dict[str, float]:
   """Print one prompt's continuation as it is produced; returns the stats timed here."""
   print(f"[0] {prefix}", end="", flush=True)
   start = time.perf_counter()
   first = None
   count = 0
-  for chunk in engine.stream(inputs, max_new_tokens, **options):
+  for chunk in engine.stream(inputs, params=params):
     if first is None:
       first = time.perf_counter()
     if chunk.texts is not None:  # the last chunk may carry held-back text and no token
@@ -298,14 +299,14 @@ def generate(args) -> int:
     raise ValueError(f"--stream takes one prompt, got {len(inputs)}; drop --stream to generate "
                      "a batch")
   _check_tokenizer(args)
+  # The flags' own checks before the model loads.
+  params = SamplingParams(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, stop=args.stop or None)
   engine = Engine.from_pretrained(args.model, **_engine_options(args))
-  options = dict(do_sample=args.temperature > 0, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed)
-  if args.stop:
-    options["stop"] = args.stop
   # Validate before compiling anything (a flag that is wrong gets an error, not a warning), then
   # compile only the buckets this request needs.
-  engine.validate(inputs, args.max_new_tokens, **options)
+  engine.validate(inputs, params=params)
   _warn_greedy(args)
   batch = engine.config.buckets.batch_bucket(min(len(inputs), engine.config.buckets.max_batch))
   start = time.perf_counter()
@@ -315,9 +316,9 @@ def generate(args) -> int:
                 executables=len(compile_times))
   prefixes = args.prompt if args.prompt is not None else [""] * len(inputs)
   if args.stream:
-    stats = _stream(engine, inputs, prefixes[0], args.max_new_tokens, options)
+    stats = _stream(engine, inputs, prefixes[0], params)
   else:
-    result = engine.generate(inputs, args.max_new_tokens, **options)
+    result = engine.generate(inputs, params=params)
     stats = result.stats
     if args.json:
       print(json.dumps({"tokens": list(result), "texts": result.texts,
@@ -390,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, TypeError) as err:
     if args.command == "generate":
       prompt_flag = "--prompt" if args.prompt is not None else "--prompt-ids"
-      message = flag_names(str(err), GENERATE_FLAGS, prompt_flag)
+      if isinstance(err, ParamError) and err.param in GENERATE_FLAGS:
+        message = err.message(GENERATE_FLAGS[err.param])
+      else:
+        message = flag_names(str(err), GENERATE_FLAGS, prompt_flag)
     elif args.command == "serve":
       message = flag_names(str(err), SERVE_FLAGS)
     else:

@@ -6,7 +6,8 @@ Request path: validate on the host -> the scheduler's queue -> prompt chunks pad
 path compiles once `warmup()` has run. The jobs live in their own modules: `cg_jax.config` (the
 configuration tree), `cg_jax.weights` (placement), `cg_jax.executables` (the executable table),
 `cg_jax.scheduler` (continuous batching), `cg_jax.generation` (results and their text),
-`cg_jax.kv_cache` (the cache's lifecycle) and `cg_jax.validation` (requests).
+`cg_jax.kv_cache` (the cache's lifecycle), `cg_jax.sampling_params` (a request's sampling
+parameters) and `cg_jax.validation` (prompts and requests).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from cg_jax.generation import GenerationResult, RowText, StreamChunk, final_text
 from cg_jax.hub import resolve_model
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.sampling import TOP_LOGPROBS, unpack_scores
+from cg_jax.sampling_params import SamplingParams, check_logprobs
 from cg_jax.scheduler import Handle, Scheduler
 from cg_jax.sharding import TensorParallel
 from cg_jax.steps import StepFunctions
@@ -37,7 +39,7 @@ from models import hf
 from models.config import PRESETS, DecoderConfig
 from models.decoder import cache_bytes
 
-__all__ = ["Engine", "GenerationResult", "Handle", "StreamChunk"]
+__all__ = ["Engine", "GenerationResult", "Handle", "SamplingParams", "StreamChunk"]
 
 
 def default_dtype() -> str:
@@ -55,6 +57,15 @@ def _device_memory_bytes(device) -> int | None:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   except (ValueError, OSError, AttributeError):
     return None
+
+
+def _params(params: SamplingParams | None, max_new_tokens: int | None,
+            sampling: dict[str, Any]) -> SamplingParams:
+  """The request's `SamplingParams`: `params`, or one built from the keywords (a positional
+  max_new_tokens among them); both at once are a TypeError naming both."""
+  if max_new_tokens is not None:
+    sampling = dict(sampling, max_new_tokens=max_new_tokens)
+  return SamplingParams.of(params, sampling, "generate()")
 
 
 class Engine:
@@ -290,42 +301,32 @@ class Engine:
     texts = [inputs] if isinstance(inputs, str) else list(inputs)
     return [self.tokenizer.encode(t).ids for t in texts]
 
-  def validate(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
-               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
-               **unknown) -> validation.Request:
+  def validate(self, inputs, max_new_tokens: int | None = None, *,
+               params: SamplingParams | None = None, **sampling) -> validation.Request:
     """Validate a request on the host without running it (nothing touches the device); raises
-    the ValueError / TypeError that `generate` would."""
-    validation.reject_unknown("generate()", unknown)
+    the ValueError / TypeError that `generate` would (a bad sampling value: a `ParamError`
+    naming it)."""
+    params = _params(params, max_new_tokens, sampling)
     rows = validation.prompts(self._encode(inputs), self.model_config.vocab_size)
     # Prompts are prefilled in chunks, up to the cache.
     validation.lengths(rows, max_prompt_len=self.config.max_seq_len - 1,
-                       max_seq_len=self.config.max_seq_len, max_new_tokens=max_new_tokens)
-    settings = validation.sampling(
-        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        eos_token_id=eos_token_id, default_eos=self.model_config.eos_token_id,
-        vocab_size=self.model_config.vocab_size)
-    stops = validation.stop_strings(stop, self.tokenizer is not None)
-    top = validation.logprobs(logprobs, min(TOP_LOGPROBS, self.model_config.vocab_size))
-    return validation.Request(rows, max_new_tokens, settings, stops, logprobs=top)
+                       max_seq_len=self.config.max_seq_len, max_new_tokens=params.max_new_tokens)
+    settings, stops, top = params.settings(
+        vocab_size=self.model_config.vocab_size, default_eos=self.model_config.eos_token_id,
+        has_tokenizer=self.tokenizer is not None)
+    return validation.Request(rows, params.max_new_tokens, settings, stops, logprobs=top)
 
-  def generate(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
-               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None, **unknown) -> GenerationResult:
+  def generate(self, inputs, max_new_tokens: int | None = None, *,
+               params: SamplingParams | None = None, **sampling) -> GenerationResult:
     """Generate continuations.
 
     Args:
       inputs: a list of token-id lists (any lengths), a 2-D int array, or text (a string or a
         list of strings) when the engine has a tokenizer.
-      max_new_tokens: tokens to generate per prompt (>= 1); a row also stops after an EOS id.
-      do_sample: False for greedy; True samples with temperature / top_k / top_p (temperature 0
-        is greedy).
-      seed: sampling seed (None: random). The same seed gives the same tokens.
-      eos_token_id: an id or a list of ids; None uses the model's; [] disables EOS.
-      stop: a string or a list of strings (needs a tokenizer): a row ends once its text holds
-        one; its text is cut before it, its tokens end with the one that completed it.
+      params: a `SamplingParams` (max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+        eos_token_id, stop, logprobs: its docstring says what each means); or else
+      max_new_tokens, **sampling: its fields as keywords (the defaults for those left out:
+        32 new tokens, greedy, the model's EOS ids). Both forms at once are a TypeError.
     Returns:
       A `GenerationResult`: a list of new-token lists (EOS included when hit), with `.texts`
       (when a tokenizer exists) and `.stats`, times in seconds from this call's start (after
@@ -333,10 +334,11 @@ class Engine:
       token, in row order), ttft_s_last (the last row's to get one: their max), total_s,
       new_tokens, per_token_s (after the first token, per token of the longest row),
       tokens_per_s, greedy, readback_lag.
+    Raises:
+      `ParamError` (a ValueError; a TypeError too for a wrong type) for a bad sampling value,
+      ValueError / TypeError for bad prompts; nothing runs.
     """
-    request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
-                            top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                            stop=stop, **unknown)
+    request = self.validate(inputs, max_new_tokens, params=params, **sampling)
     start = time.perf_counter()
     group = self._scheduler.submit(request)
     try:
@@ -349,18 +351,14 @@ class Engine:
     return GenerationResult([list(t) for t in group.tokens], texts,
                             self._call_stats(request, group, start))
 
-  def stream(self, inputs, max_new_tokens: int = 32, do_sample: bool = False,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-             stop: str | Sequence[str] | None = None, **unknown) -> Iterator[StreamChunk]:
-    """Like `generate`, but yields a `StreamChunk` per step as tokens are produced (with a
-    tokenizer, each row's text delta too).
+  def stream(self, inputs, max_new_tokens: int | None = None, *,
+             params: SamplingParams | None = None, **sampling) -> Iterator[StreamChunk]:
+    """Like `generate` (the same arguments), but yields a `StreamChunk` per step as tokens are
+    produced (with a tokenizer, each row's text delta too).
 
     Validation happens at call time, before the first chunk is requested.
     """
-    request = self.validate(inputs, max_new_tokens, do_sample=do_sample, temperature=temperature,
-                            top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                            stop=stop, **unknown)
+    request = self.validate(inputs, max_new_tokens, params=params, **sampling)
     return self._stream(request, self._scheduler.submit(request))
 
   def _stream(self, request: validation.Request, group) -> Iterator[StreamChunk]:
@@ -380,26 +378,23 @@ class Engine:
     finally:
       group.cancel()  # a stream closed early frees its slots
 
-  def submit(self, prompt, max_new_tokens: int = 32, do_sample: bool = False,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-             stop: str | Sequence[str] | None = None, timeout: float | None = None,
-             logprobs: int | None = None, **unknown) -> Handle:
+  def submit(self, prompt, max_new_tokens: int | None = None, *,
+             params: SamplingParams | None = None, timeout: float | None = None,
+             **sampling) -> Handle:
     """Queue one request from any thread; returns its `Handle` at once.
 
     Args:
       prompt: a string (with a tokenizer) or a list of token ids.
+      params, max_new_tokens, **sampling: as `generate`. With `logprobs`, each new token's
+        log-probability and its most likely alternatives come in the `Delta`s and the
+        `Completion`; their executables compile at warm-up with
+        `phases=(*SERVING_PHASES, "logprobs")`, else on first use.
       timeout: seconds the request may take from now (None: no limit); past it the handle's
         `result()` raises `cg_jax.scheduler.RequestTimeout`.
-      logprobs: None, or each new token's log-probability under the model (before temperature
-        and filtering) with its `logprobs` most likely alternatives (at most
-        `cg_jax.sampling.TOP_LOGPROBS`), in the `Delta`s and the `Completion`. Their
-        executables compile at warm-up with `phases=(*SERVING_PHASES, "logprobs")`, else on
-        first use.
-      The rest: as `generate`.
     Raises:
-      ValueError / TypeError for a bad request (nothing is queued);
-      `cg_jax.scheduler.QueueFull` when `max_waiting` requests wait already.
+      ValueError / TypeError for a bad request (a `ParamError` for a bad sampling value;
+      nothing is queued); `cg_jax.scheduler.QueueFull` when `max_waiting` requests wait
+      already.
     """
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                 or not timeout > 0):
@@ -409,9 +404,7 @@ class Engine:
     if not isinstance(prompt, (str, list, tuple)):
       raise TypeError(f"prompt must be a string or a list of token ids, got "
                       f"{type(prompt).__name__}")
-    request = self.validate([prompt], max_new_tokens, do_sample=do_sample,
-                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            eos_token_id=eos_token_id, stop=stop, logprobs=logprobs, **unknown)
+    request = self.validate([prompt], max_new_tokens, params=params, **sampling)
     return Handle(self._scheduler.submit(request, timeout), self.tokenizer, request.stop,
                   request.logprobs)
 
@@ -424,7 +417,7 @@ class Engine:
     `phases=(*SERVING_PHASES, "logprobs")`, else on first use."""
     rows = validation.prompts(self._encode([prompt] if isinstance(prompt, str) else [prompt]),
                               self.model_config.vocab_size)
-    top = validation.logprobs(top, min(TOP_LOGPROBS, self.model_config.vocab_size))
+    top = check_logprobs(top, min(TOP_LOGPROBS, self.model_config.vocab_size), "top")
     row = rows[0]
     lengths = self.executables.score_lengths()
     if len(row) > lengths[-1]:

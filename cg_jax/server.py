@@ -64,18 +64,19 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import decoders
 
-from cg_jax import text, validation
+from cg_jax import text
 from cg_jax.chat_template import ChatTemplate, TemplateError
 from cg_jax.engine import Engine
 from cg_jax.executables import SERVING_PHASES
 from cg_jax.hub import resolve_model
-from cg_jax.sampling import TOP_LOGPROBS
+from cg_jax.sampling_params import ParamError, SamplingParams
 from cg_jax.scheduler import Completion, Delta, EngineClosed, Handle, QueueFull, RequestTimeout
 from models.config import PRESETS
 
 MAX_TEMPERATURE = 2.0
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's; chat's is the rest of the context
-MAX_SEED = 2**32 - 1
+# `SamplingParams` fields -> the OpenAI fields that set them (chat's logprobs: `top_logprobs`).
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
 NO_TOKENIZER = "send the prompt to /v1/completions as token ids"  # what to do without a tokenizer
 # Seconds the first token and each next one may take: the histograms' buckets.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -112,6 +113,13 @@ def _bad(param: str | None, message: str, code: str | None = None) -> ApiError:
   return ApiError(400, message, param=param, code=code)
 
 
+def _param_error(error: ParamError, names: Mapping[str, str]) -> ApiError:
+  """The 400 of a bad sampling value, naming its OpenAI field (`names`: `SamplingParams` field
+  -> OpenAI name; a field not there has the same name in both)."""
+  name = names.get(error.param, error.param)
+  return _bad(name, error.message(name))
+
+
 def engine_error(error: BaseException) -> ApiError:
   """The API error of an engine exception (from `submit` or a running request)."""
   if isinstance(error, QueueFull):
@@ -120,11 +128,10 @@ def engine_error(error: BaseException) -> ApiError:
     return ApiError(503, str(error), type="server_error", code="engine_closed")
   if isinstance(error, RequestTimeout):
     return ApiError(504, str(error), type="timeout_error", code="timeout")
+  if isinstance(error, ParamError):
+    return _param_error(error, OPENAI_NAMES)
   if isinstance(error, (ValueError, TypeError)):
-    message = str(error).replace("max_new_tokens", "max_tokens")
-    param = next((name for name in ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-                                    "prompt", "input_ids") if name in message), None)
-    return _bad("prompt" if param == "input_ids" else param, message)
+    return _bad(None, str(error))
   return ApiError(500, f"{type(error).__name__}: {error}", type="server_error")
 
 
@@ -383,12 +390,12 @@ class _CountRequests:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """One prompt of a request, validated: its token ids, `engine.submit`'s keywords (None: nothing
-  to generate, `echo` with `max_tokens: 0`), the text its choice starts with (`echo`, else None)
+  """One prompt of a request, validated: its token ids, its `SamplingParams` (None: nothing to
+  generate, `echo` with `max_tokens: 0`), the text its choice starts with (`echo`, else None)
   and its log-probabilities' alternatives per token (None: no logprobs)."""
 
   ids: list[int]
-  options: dict[str, Any] | None
+  params: SamplingParams | None
   echo: str | None = None
   top: int | None = None
 
@@ -489,43 +496,34 @@ class Service:
         raise _bad("response_format", f"response_format type {_short(kind)} is not supported: "
                                       "allowed \"text\"")
 
-  def _sampling(self, body: _Sampling) -> dict[str, Any]:
-    """`engine.submit` keywords of the sampling fields (temperature 0: greedy)."""
+  def _sampling(self, body: _Sampling, logprobs: int | None,
+                names: Mapping[str, str] = OPENAI_NAMES) -> SamplingParams:
+    """The request's `SamplingParams` (max_new_tokens left at its default: each job sets its
+    own), checked against the model too. Temperature 0 is greedy: OpenAI's other sampling
+    fields then go to the engine as off (no engine warning). A bad value is a 400 naming its
+    OpenAI field (`names`: field -> OpenAI name; the others are named alike). The server's own
+    limits: temperature up to MAX_TEMPERATURE, top_k -1 as off."""
     temperature = 1.0 if body.temperature is None else body.temperature
     if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
       raise _bad("temperature", f"temperature={temperature} is out of range: allowed 0 to "
                                 f"{MAX_TEMPERATURE:g} (0 = greedy)")
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-      raise _bad("top_p", f"top_p={top_p} is out of range: allowed above 0 up to 1 (1 = off)")
     top_k = 0 if body.top_k in (None, -1) else body.top_k
     if top_k < 0:
       raise _bad("top_k", f"top_k={top_k} is out of range: allowed 0 or -1 (off) or a "
                           f"positive number of tokens")
-    if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
-      raise _bad("seed", f"seed={body.seed} is out of range: allowed 0 to {MAX_SEED}")
+    model = self.engine.model_config
     try:
-      stop = validation.stop_strings(body.stop, self.engine.tokenizer is not None)
-    except (ValueError, TypeError) as error:
-      raise _bad("stop", str(error)) from None
-    greedy = temperature == 0
-    # OpenAI's sampling fields have no effect at temperature 0: pass none (no engine warning).
-    options = dict(do_sample=not greedy, temperature=temperature,
-                   top_k=0 if greedy else top_k, top_p=1.0 if greedy else top_p,
-                   seed=None if greedy else body.seed, stop=list(stop) or None,
-                   timeout=self.request_timeout)
-    if body.ignore_eos:
-      options["eos_token_id"] = []
-    return options
-
-  def _top(self, value: int | None, param: str, what: str) -> int | None:
-    """How many alternatives per token `param` asks log-probabilities for: None (off) or 0 to
-    `TOP_LOGPROBS` (the engine's limit)."""
-    allowed = min(TOP_LOGPROBS, self.engine.model_config.vocab_size)
-    if value is not None and not 0 <= value <= allowed:
-      raise _bad(param, f"{param}={value} is out of range: allowed {what} 0 to {allowed} "
-                        f"alternatives per token")
-    return value
+      params = SamplingParams(do_sample=temperature > 0, temperature=temperature, top_k=top_k,
+                              top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                              stop=body.stop, eos_token_id=[] if body.ignore_eos else None,
+                              logprobs=logprobs)
+      if temperature == 0:
+        params = dataclasses.replace(params, top_k=0, top_p=1.0, seed=None)
+      params.settings(vocab_size=model.vocab_size, default_eos=model.eos_token_id,
+                      has_tokenizer=self.engine.tokenizer is not None)
+    except ParamError as error:
+      raise _param_error(error, names) from None
+    return params
 
   def _lengths(self, prompts: list[list[int]], max_tokens: int | None, param: str,
                max_param: str, echo: bool = False) -> list[int]:
@@ -602,8 +600,8 @@ class Service:
     """The jobs of a completion request."""
     self._check_model(body.model)
     self._check_unsupported(body)
-    options = self._sampling(body)
-    top = self._top(body.logprobs, "logprobs", "null (off) or")
+    top = body.logprobs
+    params = self._sampling(body, top)
     echo = bool(body.echo)
     if top is not None:
       self._tokenizer("logprobs", "logprobs need it to name the tokens")
@@ -620,19 +618,20 @@ class Service:
         texts = list(body.prompt)
       else:
         texts = [text.decode(self.engine.tokenizer, ids) for ids in prompts]
-    return [Job(ids, dict(options, max_new_tokens=budget, logprobs=top) if budget else None,
+    return [Job(ids, dataclasses.replace(params, max_new_tokens=budget) if budget else None,
                 shown, top) for ids, budget, shown in zip(prompts, budgets, texts, strict=True)]
 
   def chat_jobs(self, body: ChatCompletionRequest) -> list[Job]:
     """The job of a chat request; `top_logprobs` needs `logprobs: true`."""
     self._check_model(body.model)
     self._check_unsupported(body)
-    options = self._sampling(body)
     if body.top_logprobs is not None and not body.logprobs:
       raise _bad("top_logprobs", f"top_logprobs={body.top_logprobs} needs logprobs=true")
-    top = self._top(body.top_logprobs, "top_logprobs", "null or") if body.logprobs else None
-    if body.logprobs and top is None:
-      top = 0
+    top = (0 if body.top_logprobs is None else body.top_logprobs) if body.logprobs else None
+    max_tokens, name = body.max_tokens, "max_tokens"
+    if body.max_completion_tokens is not None:
+      max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
+    params = self._sampling(body, top, {"max_new_tokens": name, "logprobs": "top_logprobs"})
     if self.chat_template is None:
       raise _bad("messages", f"the model {self.model_name!r} has no chat template (no "
                              "chat_template in its tokenizer_config.json): use /v1/completions",
@@ -642,11 +641,8 @@ class Service:
     ids = tokenizer.encode(rendered, add_special_tokens=False).ids
     if not ids:
       raise _bad("messages", "the rendered chat prompt is empty")
-    max_tokens, name = body.max_tokens, "max_tokens"
-    if body.max_completion_tokens is not None:
-      max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
     budgets = self._lengths([ids], max_tokens, "messages", name)
-    return [Job(ids, dict(options, max_new_tokens=budgets[0], logprobs=top), None, top)]
+    return [Job(ids, dataclasses.replace(params, max_new_tokens=budgets[0]), None, top)]
 
   def render(self, messages: Sequence[ChatMessage]) -> str:
     """The chat prompt of `messages` (text content parts joined)."""
@@ -707,7 +703,8 @@ class Service:
     handles = []
     try:
       for job in jobs:
-        handles.append(None if job.options is None else self.engine.submit(job.ids, **job.options))
+        handles.append(None if job.params is None else self.engine.submit(
+            job.ids, params=job.params, timeout=self.request_timeout))
     except Exception as error:  # noqa: BLE001 - every failure cancels the jobs queued before it
       for handle in handles:
         if handle is not None:
