@@ -17,6 +17,10 @@ Requests wait in a bounded FIFO. The engine thread loops:
      slots; slots still prefilling are idle rows (position -1: no cache write, no attention).
      Up to `readback_lag` steps are in flight; the batch changes only once none is.
 Tokens go to each caller's own buffer, so a slow or absent consumer never blocks the loop.
+
+The policy of steps 1-4 lives in `cg_jax.step_plan`: its `Planner` returns each phase's plan
+(which requests, slots, blocks and executable key) from host state; the engine thread here runs
+the plans: it calls the executables, copies prefix blocks, reads tokens back and delivers them.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import asyncio
 import atexit
 import collections
 import dataclasses
-import functools
 import queue
 import threading
 import time
@@ -42,11 +45,8 @@ from cg_jax.generation import RowText, final_text
 from cg_jax.kv_cache import CacheHolder
 from cg_jax.prefix_cache import PrefixIndex
 from cg_jax.sampling import SamplingArrays, unpack_scores
-
-
-# Padded prompt tokens one "prompts" call may take (its batch x chunk size), in units of the
-# largest prompt bucket.
-PREFILL_TOKENS = 16
+from cg_jax.step_plan import (ChunkPlan, CopyPlan, DecodePlan, MovePlan, PlanConfig, Planner,
+                              PrefillPlan)
 
 
 class QueueFull(RuntimeError):
@@ -332,6 +332,8 @@ class Scheduler:
     self.inputs_at, self.tokenizer, self.lock = inputs_at, tokenizer, lock
     self.pool = pool
     self.prefix = None if pool is None else PrefixIndex(config.prefix_blocks, config.prefix_block)
+    # The policy (`cg_jax.step_plan`): what each phase of an iteration runs.
+    self.planner = Planner(PlanConfig.of(config, table, PROMPT_BATCH), self.prefix)
     self._wakeup = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
     self._slots: list[_Live] = []  # occupied slots [0, n)
@@ -458,16 +460,18 @@ class Scheduler:
     stale = [live for live in self._slots if live.cancelled or live.finished
              or live.expired(now)]
     with self._wakeup:
-      startable = bool(self._waiting) and len(self._slots) < self.config.buckets.max_batch
+      startable = bool(self.planner.admit(len(self._waiting), len(self._slots)))
       stale = stale or any(w.cancelled or w.expired(now) for w in self._waiting)
     if stale or startable:
       self._drain()
       self._retire(now)
       self._admit()
-    self._prefill()
-    self._decode()
+    self._run_prefill(self.planner.prefill(self._slots))
+    if self._inputs is None:
+      self._drain()  # the new batch is built from every row's latest token
+    self._run_decode(self.planner.decode(self._slots, len(self._reader)))
     if self._unsaved:  # after the decode step is on its way: the hashing overlaps it
-      self._save_prefix(self._unsaved)
+      self._run_copies(self.planner.saves(self._unsaved))
       self._unsaved = []
 
   def _drain(self) -> None:
@@ -475,9 +479,8 @@ class Scheduler:
       self._read_one()
 
   def _retire(self, now: float) -> None:
-    """Free the slots of finished, cancelled and timed-out requests; keep slots [0, n). From
-    the last slot down, so that only running requests move into the freed slots (a batch
-    that finished together moves nothing)."""
+    """End cancelled and timed-out requests (from the last slot down), then free the slots of
+    every finished one (`Planner.moves`)."""
     for live in reversed(list(self._slots)):
       if not live.finished:
         if live.cancelled:
@@ -485,8 +488,7 @@ class Scheduler:
         elif live.expired(now):
           live.finished = True
           live.group._fail(RequestTimeout("the request ran past its timeout"))
-      if live.finished:
-        self._release(live)
+    self._run_moves(self.planner.moves([live.finished for live in self._slots]))
     with self._wakeup:
       for live in [w for w in self._waiting if w.cancelled or w.expired(now)]:
         self._waiting.remove(live)
@@ -496,160 +498,85 @@ class Scheduler:
           live.finished = True
           live.group._fail(RequestTimeout("the request ran past its timeout while waiting"))
 
-  def _release(self, live: _Live) -> None:
-    last = self._slots[-1]
-    if last is not live:
-      self.cache.set(self.table.get(("move",))(self.cache.get(), np.int32(last.slot),
-                                              np.int32(live.slot)))
-      self._slots[live.slot], last.slot = last, live.slot
-    self._slots.pop()
-    self._inputs = None
+  def _run_moves(self, plan: MovePlan) -> None:
+    """Copy the moved cache rows; the requests take their new slots."""
+    for source, target in plan.moves:
+      self.cache.set(self.table.get(("move",))(self.cache.get(), np.int32(source),
+                                              np.int32(target)))
+    if plan.freed:
+      self._slots = [self._slots[old] for old in plan.order]
+      for slot, live in enumerate(self._slots):
+        live.slot = slot
+      self._inputs = None
 
   def _admit(self) -> None:
     with self._wakeup:
-      while self._waiting and len(self._slots) < self.config.buckets.max_batch:
+      for slot in self.planner.admit(len(self._waiting), len(self._slots)):
         live = self._waiting.popleft()
-        live.slot, live.admitted_at = len(self._slots), time.perf_counter()
+        live.slot, live.admitted_at = slot, time.perf_counter()
         self._slots.append(live)
         self._inputs = None
 
-  def _prefill(self) -> None:
-    """Cached prefixes of new prompts; then the next chunks of prompts already started
-    together (first come, first served), or else the first chunks of new prompts together."""
-    lengths = self.config.buckets.prompt_lengths
-    fresh = [x for x in self._slots if x.prefilled == 0 and not x.finished]
-    if self.prefix is not None:
-      # Only the prompts next in line ask the cache: those behind them may find the blocks
-      # these are about to write.
-      pairs = [pair for live in fresh[:PROMPT_BATCH] if not live.looked_up
-               for pair in self._load_prefix(live)]
-      self._copy_blocks("load", pairs)
-      fresh = [x for x in fresh if x.prefilled == 0]
-    started = [x for x in self._slots if 0 < x.prefilled < len(x.prompt) and not x.finished]
-    if started:
-      self._later_chunks(started, lengths)
-    elif fresh:
-      self._first_chunks(fresh, lengths)
+  def _run_prefill(self, plan: PrefillPlan) -> None:
+    """The prefix-cache hits count as prefilled and their blocks load; then the prompt call."""
+    for slot, cached in plan.lookups:
+      self._slots[slot].looked_up, self._slots[slot].prefilled = True, cached
+    self._run_copies(plan.loads)
+    if plan.chunk is not None:
+      self._run_chunk(plan.chunk)
 
-  def _group(self, lives: list[_Live], batches: tuple[int, ...], size_of) -> list[_Live]:
-    """The longest run of `lives` (from the first) that one call of a batch bucket up to
-    batches[-1] rows and PREFILL_TOKENS padded tokens takes; `size_of(group)` is its chunk
-    size."""
-    budget = PREFILL_TOKENS * self.config.buckets.prompt_lengths[-1]
-    group = lives[:1]
-    for live in lives[1:]:
-      if len(group) == batches[-1]:
-        break
-      candidate = group + [live]
-      if next(b for b in batches if b >= len(candidate)) * size_of(candidate) > budget:
-        break
-      group = candidate
-    return group
-
-  def _later_chunks(self, started: list[_Live], lengths: tuple[int, ...]) -> None:
-    """The next chunk of up to PROMPT_BATCH started prompts in one "chunk" call, each at its
-    slot and cache offset."""
-    batches = self.table.prompt_batches()
-    chunk_size = functools.partial(_chunk_size, lengths=lengths)
-    group = self._group(started, batches, chunk_size)
-    size, rows = chunk_size(group), next(b for b in batches if b >= len(group))
-    tokens = np.zeros((rows, size), np.int32)
-    slots, starts, counts = (np.zeros((rows,), np.int32) for _ in range(3))  # padding: nothing
+  def _run_chunk(self, chunk: ChunkPlan) -> None:
+    """One prompt call (see `ChunkPlan`); its completed prompts join the decode batch."""
+    group = [self._slots[slot] for slot in chunk.slots]
+    tokens = np.zeros((chunk.rows, chunk.size), np.int32)
+    starts = np.zeros((chunk.rows,), np.int32)
+    # Padding rows: one token into a free slot ("prompts"), or nothing ("chunk").
+    counts = (np.ones if chunk.kind == "prompts" else np.zeros)((chunk.rows,), np.int32)
+    slots = np.zeros((chunk.rows,), np.int32)
     for b, live in enumerate(group):
-      counts[b] = min(size, len(live.prompt) - live.prefilled)
-      tokens[b, :counts[b]] = live.prompt[live.prefilled:live.prefilled + counts[b]]
-      slots[b], starts[b] = live.slot, live.prefilled
+      starts[b], counts[b], slots[b] = chunk.starts[b], chunk.counts[b], live.slot
+      tokens[b, :counts[b]] = live.prompt[starts[b]:starts[b] + counts[b]]
     # Host arrays go to the executable as they are: its call copies them to the device (one
     # jax.device_put per tree costs more host time than the whole transfer).
-    new, logits, cache = self.table.get(("chunk", rows, size))(
-        self.weights, self.cache.get(), tokens, slots, starts, counts)
+    if chunk.kind == "prompts":
+      new, logits, cache = self.table.get(chunk.key)(
+          self.weights, self.cache.get(), tokens, counts, np.int32(chunk.first_slot))
+    else:
+      new, logits, cache = self.table.get(chunk.key)(
+          self.weights, self.cache.get(), tokens, slots, starts, counts)
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
       live.prefilled += int(counts[b])
-    self._join(group, self._pick(group, new, logits, starts + counts), logits)
+    if chunk.sample:
+      # [rows] int32: each row's new token sits after its chunk.
+      new = self.table.get(("first", chunk.rows, False))(logits, starts + counts,
+                                                         self._sampling(group, chunk.rows))
+    self._join(chunk, group, new, logits)
 
-  def _first_chunks(self, fresh: list[_Live], lengths: tuple[int, ...]) -> None:
-    """The first chunk of up to PROMPT_BATCH new prompts in one "prompts" call: they hold
-    consecutive slots (admitted in order), written as rows [first, first + rows), so `rows`
-    (a batch bucket) must end within the cache."""
-    first = fresh[0].slot
-    # Rows [first, first + rows) may only hold free slots and prompts not started yet (the
-    # padding rows write there).
-    fits = 0
-    for slot in range(first, self.config.buckets.max_batch):
-      if slot < len(self._slots) and self._slots[slot].prefilled > 0:
-        break
-      fits += 1
-    batches = tuple(b for b in self.table.prompt_batches() if b <= fits) or (1,)
-    chunk_size = functools.partial(_chunk_size, lengths=lengths)
-    consecutive = [fresh[0]]
-    for live in fresh[1:]:
-      if live.slot != consecutive[-1].slot + 1:
-        break
-      consecutive.append(live)
-    group = self._group(consecutive, batches, chunk_size)
-    size, rows = chunk_size(group), next(b for b in batches if b >= len(group))
-    tokens = np.zeros((rows, size), np.int32)
-    counts = np.ones((rows,), np.int32)  # padding rows: one token into a free slot
-    for b, live in enumerate(group):
-      counts[b] = min(size, len(live.prompt))
-      tokens[b, :counts[b]] = live.prompt[:counts[b]]
-    new, logits, cache = self.table.get(("prompts", rows, size))(
-        self.weights, self.cache.get(), tokens, counts, np.int32(first))
-    self.cache.set(cache)
-    self.counters["chunks"] += 1
-    for b, live in enumerate(group):
-      live.prefilled = int(counts[b])
-    self._join(group, self._pick(group, new, logits, counts), logits)
-
-  def _pick(self, lives: list[_Live], new, logits, positions: np.ndarray):
-    """A prompt call's next tokens: its greedy picks `new`, or, when one of `lives` samples,
-    tokens drawn from its `logits` (rows' new tokens at `positions`, int32 [rows])."""
-    if all(live.settings.greedy for live in lives):
-      return new
-    rows = len(positions)
-    return self.table.get(("first", rows, False))(logits, positions, self._sampling(lives, rows))
-
-  def _load_prefix(self, live: _Live) -> list[tuple[int, int, int]]:
-    """A new request's cached prompt blocks: (slot, block, pool block) pairs to copy."""
-    live.looked_up = True
-    # Batch-invariant engines take whole chunks only: the chunk boundaries of a miss.
-    multiple = (self.config.buckets.prompt_lengths[0] // self.config.prefix_block
-                if self.config.batch_invariant else 1)
-    ids = self.prefix.lookup(live.prompt, multiple)
-    live.prefilled = len(ids) * self.config.prefix_block
-    return [(live.slot, block, source) for block, source in enumerate(ids)]
-
-  def _save_prefix(self, lives: list[_Live]) -> None:
-    """Prefilled prompts' full blocks not in the prefix cache yet, copied into its pool."""
-    pairs = [(live.slot, block, target) for live in lives
-             for block, target in enumerate(self.prefix.insert(live.prompt)) if target is not None]
-    self._copy_blocks("save", pairs)
-
-  def _copy_blocks(self, phase: str, pairs: list[tuple[int, int, int]]) -> None:
+  def _run_copies(self, plan: CopyPlan) -> None:
     """(slot, block, pool block) pairs: "load" copies pool -> cache, "save" cache -> pool."""
-    size = self.table.block_pairs()
-    for start in range(0, len(pairs), size):
+    size = self.planner.config.block_pairs
+    for pairs in plan.calls:
       part = np.full((3, size), -1, np.int32)  # padding pairs copy nothing
-      part[:, :len(pairs[start:start + size])] = np.array(pairs[start:start + size]).T
+      part[:, :len(pairs)] = np.array(pairs).T
       slots, blocks, pool_ids = part
-      if phase == "load":
-        self.cache.set(self.table.get(("load",))(self.cache.get(), self.pool.get(), slots,
-                                                 blocks, pool_ids))
-      else:
-        self.pool.set(self.table.get(("save",))(self.pool.get(), self.cache.get(), slots,
+      if plan.phase == "load":
+        self.cache.set(self.table.get(plan.key)(self.cache.get(), self.pool.get(), slots,
                                                 blocks, pool_ids))
+      else:
+        self.pool.set(self.table.get(plan.key)(self.pool.get(), self.cache.get(), slots,
+                                               blocks, pool_ids))
 
-  def _join(self, lives: list[_Live], new, logits) -> None:
+  def _join(self, chunk: ChunkPlan, group: list[_Live], new, logits) -> None:
     """Requests whose chunk completed their prompt join the decode batch with its token `new`
     (their blocks go into the prefix cache at the end of the iteration); the token's scores
     come from `logits` (both on the device) only for requests that asked for
     log-probabilities."""
     tokens = np.asarray(new)
-    done = [(b, live) for b, live in enumerate(lives) if live.prefilled == len(live.prompt)]
+    done = [(b, live) for b, live in enumerate(group) if chunk.slots[b] in chunk.done]
     scores = None
-    if any(live.logprobs is not None for _, live in done):
+    if chunk.scored:
       scores = np.asarray(self.table.get(("token_logprobs", len(tokens)))(logits, tokens))
     done = [(live, int(tokens[b]), None if scores is None else scores[b]) for b, live in done]
     for live, _, _ in done:
@@ -698,36 +625,30 @@ class Scheduler:
       self.counters["finished"] += 1
       live.group._finish(live.row, reason)
 
-  def _decode(self) -> None:
-    """Launch one decode step if a request decodes, keeping up to `readback_lag` in flight."""
-    if self._inputs is None:
-      self._drain()  # the new batch is built from every row's latest token
-    rows = [live if live.decoding and not live.finished else None for live in self._slots]
-    if not any(rows):
+  def _run_decode(self, plan: DecodePlan | None) -> None:
+    """Launch the planned decode step, keeping up to `readback_lag` in flight (a plan that
+    launches nothing reads every step in flight back)."""
+    if plan is None:
       return
-    # Steps already in flight cover this many tokens of each row; launch only if one needs more.
-    flight = len(self._reader)
-    if all(live is None or live.emitted + flight >= live.max_new_tokens for live in rows):
+    if not plan.launch:
       self._drain()
       return
-    batch = self.config.buckets.batch_bucket(len(rows))
-    # Rows that ask for log-probabilities need the scoring step (with sampling arrays).
-    scored = any(live is not None and live.logprobs is not None for live in rows)
-    greedy = not scored and all(live is None or live.settings.greedy for live in rows)
+    decoding = set(plan.slots)
+    rows = [live if slot in decoding else None for slot, live in enumerate(self._slots)]
     if self._inputs is None:
-      tokens = np.zeros((batch,), np.int32)
-      positions = np.full((batch,), -1, np.int32)
+      tokens = np.zeros((plan.batch,), np.int32)
+      positions = np.full((plan.batch,), -1, np.int32)  # idle rows: no cache write
       for b, live in enumerate(rows):
         if live is not None:
           tokens[b], positions[b] = live.token, live.position
       # The sampling arrays serve every step of this batch: staged once. Tokens and positions
       # go as host arrays (the steps' outputs replace them).
-      sampling = None if greedy else host_io.stage(self._sampling(rows, batch), self.inputs_at)
+      sampling = (None if plan.greedy
+                  else host_io.stage(self._sampling(rows, plan.batch), self.inputs_at))
       self._inputs = (tokens, positions, sampling)
     tokens, positions, sampling = self._inputs
-    key = ("logprobs", batch) if scored else ("decode", batch, greedy)
-    outputs = self.table.get(key)(self.weights, self.cache.get(), tokens, positions, sampling)
-    if scored:
+    outputs = self.table.get(plan.key)(self.weights, self.cache.get(), tokens, positions, sampling)
+    if plan.scored:
       tokens, positions, cache, emitted, scores = outputs
     else:
       (tokens, positions, cache, emitted), scores = outputs, None
@@ -762,12 +683,6 @@ class Scheduler:
         live.position += 1
         new.append((live, int(tokens[b]), None if scores is None else scores[b]))
     self._deliver(new)
-
-
-def _chunk_size(group: list[_Live], lengths: tuple[int, ...]) -> int:
-  """The prompt bucket that takes the longest rest of a prompt in `group` (up to the largest)."""
-  longest = min(max(len(x.prompt) - x.prefilled for x in group), lengths[-1])
-  return next(n for n in lengths if n >= longest)
 
 
 class Exclusive:
