@@ -824,7 +824,9 @@ class Service:
             generated += int(item.token >= 0)
             if continuous_usage:
               chunk.running = _usage_counts(jobs, generated)
-            if item.text or (token_ids and item.token >= 0):
+            # A step's token goes out with its text, or held back with it; without a tokenizer
+            # (no text) every step is a chunk, its ids with return_token_ids.
+            if item.text or (item.token >= 0 and (token_ids or self.names is None)):
               texts, ids = pending.setdefault(index, ([], []))
               texts.append(item.text or "")
               if item.token >= 0:

@@ -71,8 +71,8 @@ def test_logprobs_equal_the_request_alone_among_others(engine, alone, others):
   # The others go first, so the target lands in slot `others` and moves as they finish.
   handles = [engine.submit(list(rng.integers(2, 263, (int(rng.integers(3, 40)),))),
                            int(rng.integers(4, 20)), eos_token_id=[],
-                           do_sample=bool(i % 2), temperature=0.8, seed=i)
-             for i in range(others)]
+                           **(dict(do_sample=True, temperature=0.8, seed=i) if i % 2 else {}))
+             for i in range(others)]  # every other one samples
   scored = engine.submit(TARGET, 12, eos_token_id=[], logprobs=3)
   plain = engine.submit(TARGET, 12, eos_token_id=[])
   _same(scored.result(), alone[0])

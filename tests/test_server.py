@@ -1053,6 +1053,28 @@ def test_sigterm_during_the_warmup_exits_cleanly():
     socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
+def test_a_model_without_a_tokenizer_streams_every_step():
+  """No tokenizer, no text: the stream still sends chunks as the steps run (empty text; the ids
+  with return_token_ids), not one chunk at the end."""
+  engine = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1,),
+                                  prompt_buckets=(16,))
+  engine.warmup(progress=False)
+  expected = engine.generate([[5, 6, 7]], max_new_tokens=24, eos_token_id=[])[0]
+  app = server.create_app(engine, "tiny-llama", warmup=False)
+  with _serving(app) as port:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           timeout=TIMEOUT)
+    for token_ids in (False, True):
+      chunks = list(client.completions.create(
+          model="tiny-llama", prompt=[5, 6, 7], max_tokens=24, temperature=0, stream=True,
+          extra_body={"return_token_ids": token_ids, "ignore_eos": True}))
+      *steps, last = chunks
+      assert last.choices[0].finish_reason == "length"
+      assert len(steps) >= 2 and all(c.choices[0].text == "" for c in chunks), chunks
+      if token_ids:
+        assert [t for c in steps for t in c.choices[0].token_ids] == expected
+
+
 def test_warmup_shows_a_bar_only_for_what_it_compiles(capsys):
   """engine.warmup's bar counts the executables it compiles (none: no bar); `on_progress`
   counts every key, and an exception from it stops the warm-up."""
