@@ -14,7 +14,10 @@ Triton backend is deprecated and will be removed in a future JAX version`) on ev
 it still lowers and runs, and the tests check it on jax 0.10.2, 0.11.2 and the newest release.
 When it is removed these kernels move to Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`) or to
 Triton through jax_triton. Mosaic GPU lowers, compiles and runs a port of the decode kernel on
-the H200 at jax 0.11.2, correct but slower than the Triton kernel in most measured cells, and its
-interpreter cannot run wgmma on the CPU
-([benchmarks/results/mosaic_gpu_decode_h200.md](../../benchmarks/results/mosaic_gpu_decode_h200.md)).
+the H200 at jax 0.11.2, correct but slower than the Triton kernel in most measured cells
+([benchmarks/results/mosaic_gpu_decode_h200.md](../../benchmarks/results/mosaic_gpu_decode_h200.md));
+for prefill, jax's own Mosaic GPU FlashAttention-3 example was faster than the Triton kernel at
+2048 tokens ([benchmarks/results/attention_h200.md](../../benchmarks/results/attention_h200.md)).
+Its interpreter cannot run wgmma on the CPU, so a Mosaic GPU kernel's CPU tests need a jnp
+stand-in for the MMA.
 """
