@@ -1053,13 +1053,31 @@ def test_sigterm_during_the_warmup_exits_cleanly():
     socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
-def test_a_model_without_a_tokenizer_streams_every_step():
+class _Paced:
+  """A handle whose deltas reach the server one at a time, 20 ms apart (as a larger model's
+  steps would), so that the stream does not coalesce them."""
+
+  def __init__(self, handle):
+    self.handle = handle
+
+  def __getattr__(self, name):
+    return getattr(self.handle, name)
+
+  async def __aiter__(self):
+    async for delta in self.handle:
+      await asyncio.sleep(0.02)
+      yield delta
+
+
+def test_a_model_without_a_tokenizer_streams_every_step(monkeypatch):
   """No tokenizer, no text: the stream still sends chunks as the steps run (empty text; the ids
   with return_token_ids), not one chunk at the end."""
   engine = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1,),
                                   prompt_buckets=(16,))
   engine.warmup(progress=False)
   expected = engine.generate([[5, 6, 7]], max_new_tokens=24, eos_token_id=[])[0]
+  submit = engine.submit
+  monkeypatch.setattr(engine, "submit", lambda *args, **kwargs: _Paced(submit(*args, **kwargs)))
   app = server.create_app(engine, "tiny-llama", warmup=False)
   with _serving(app) as port:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
@@ -1089,7 +1107,7 @@ def test_warmup_shows_a_bar_only_for_what_it_compiles(capsys):
   seen.clear()
   engine.warmup(phases=("decode", "move"), progress=True, on_progress=lambda *c: seen.append(c))
   err = capsys.readouterr().err
-  assert "| 1/1 [" in err and "0exe" not in err, err
+  assert "| 1/1 [" in err and "compiling: 0exe" not in err, err  # (the empty bar's format)
   assert seen == [(3, 4), (4, 4)]
 
   class Enough(Exception):
