@@ -1,6 +1,8 @@
 """Command line: `python -m cg_jax generate [--model PATH_OR_NAME] --prompt TEXT ...`,
 `python -m cg_jax serve [--model PATH_OR_NAME] [--port 8000]` (an OpenAI-compatible HTTP server;
-needs the `serve` extra) and `python -m cg_jax profile --model NAME`."""
+needs the `serve` extra), `python -m cg_jax profile --model NAME` and
+`python -m cg_jax bench latency|throughput|serve|startup` (benchmarks writing `cg_jax.bench.rows`
+rows)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ import time
 import warnings
 
 from cg_jax import profile
+from cg_jax.bench import latency as bench_latency
+from cg_jax.bench import rows as bench_rows
+from cg_jax.bench import serve as bench_serve
+from cg_jax.bench import startup as bench_startup
+from cg_jax.bench import throughput as bench_throughput
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS
 from cg_jax.config import on_gpu
 from cg_jax.engine import Engine
@@ -41,6 +48,12 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 _HELP = _DefaultsFormatter
+
+
+class _BenchFormatter(argparse.RawDescriptionHelpFormatter, _DefaultsFormatter):
+  """The module docstring as written; every option's help ends with its default."""
+
+
 # `generate`'s and `serve`'s KV cache length when --max-seq-len is not given is
 # min(model context, DEFAULT_CONTEXT) (EngineConfig.create); `profile` uses the same.
 DEFAULT_CONTEXT = 2048
@@ -63,6 +76,13 @@ SERVE_FLAGS = {
 PROFILE_FLAGS = {
     "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
     "position": "--position", "batch_buckets": "--batch", "batch_sizes": "--batch"}
+BENCH_FLAGS = {
+    "max_seq_len": "--max-seq-len", "batch_buckets": "--batch-buckets",
+    "batch_sizes": "--batch-buckets", "prompt_buckets": "--prompt-buckets",
+    "max_new_tokens": "--output-len"}
+# `bench` subcommand -> its module (`add_arguments(parser)`, `run(args) -> list[Row]`).
+BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "serve": bench_serve,
+           "startup": bench_startup}
 
 
 def _int_list(text: str) -> list[int]:
@@ -175,6 +195,22 @@ def build_parser() -> argparse.ArgumentParser:
   prof.add_argument("--json", action="store_true",
                     help="print one JSON object (off a GPU: the GPU counters null, gpu_counters "
                          "false)")
+
+  bench = sub.add_parser("bench", help="benchmarks on the public APIs, as rows of one schema "
+                         "(cg_jax.bench.rows)", formatter_class=_HELP)
+  kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK",
+                               help="latency, throughput, serve or startup (each has --help)")
+  for name, module in BENCHES.items():
+    doc = module.__doc__ or name
+    kind = kinds.add_parser(name, help=doc.split("\n\n")[0].split(": ", 1)[-1],
+                            description=doc, formatter_class=_BenchFormatter)
+    module.add_arguments(kind)
+    kind.add_argument("--output", default=None, metavar="FILE",
+                      help="append this run's rows to FILE as JSON lines")
+    kind.add_argument("--system", default="cg_jax", help="the system named in the rows")
+    kind.add_argument("--compare", action="append", default=[], metavar="FILE",
+                      help="rows of earlier runs (JSON lines) to print beside this run's "
+                           "(repeatable)")
   return parser
 
 
@@ -365,6 +401,26 @@ def serve(args) -> int:
   return 0
 
 
+@_cli_warnings()
+def run_bench(args) -> int:
+  """Run one benchmark; append its rows to --output; print them (and --compare's) as a table."""
+  try:  # (a missing or foreign file fails before anything runs)
+    earlier = bench_rows.read(args.compare)
+  except (OSError, ValueError, TypeError) as error:
+    raise ValueError(f"--compare: cannot read rows from {args.compare}: {error}") from error
+  folder = os.path.dirname(os.path.abspath(args.output)) if args.output else None
+  if folder is not None and not os.path.isdir(folder):
+    raise ValueError(f"--output {args.output}: no directory {folder} to write it in")
+  try:
+    found = BENCHES[args.bench].run(args)
+  except NotImplementedError as error:
+    print(f"error: bench {args.bench}: {error}", file=sys.stderr)
+    return 1
+  bench_rows.write(args.output, found)
+  print(bench_rows.compare([*earlier, *found]))
+  return 0
+
+
 def flag_names(message: str, flags: dict[str, str], prompt_flag: str = "--prompt-ids") -> str:
   """An engine error message with its parameter names replaced by the CLI flags that set them:
   `input_ids[0][1]` -> `--prompt-ids #1, token 2`, `prompt 0` -> `--prompt-ids #1`,
@@ -388,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
       return run_profile(args)
     if args.command == "serve":
       return serve(args)
+    if args.command == "bench":
+      return run_bench(args)
   except (ValueError, TypeError) as err:
     if args.command == "generate":
       prompt_flag = "--prompt" if args.prompt is not None else "--prompt-ids"
@@ -397,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         message = flag_names(str(err), GENERATE_FLAGS, prompt_flag)
     elif args.command == "serve":
       message = flag_names(str(err), SERVE_FLAGS)
+    elif args.command == "bench":
+      message = flag_names(str(err), BENCH_FLAGS)
     else:
       message = flag_names(str(err), PROFILE_FLAGS)
     print(f"error: {message}", file=sys.stderr)

@@ -206,12 +206,19 @@ def test_help_shows_every_default(monkeypatch, capsys):
   monkeypatch.setenv("COLUMNS", "200")
   parser = cli.build_parser()
   commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-  for name, command in commands.choices.items():
+  bench = next(a for a in commands.choices["bench"]._actions
+               if isinstance(a, argparse._SubParsersAction))
+  every = [([name], command) for name, command in commands.choices.items()]
+  every += [(["bench", name], command) for name, command in bench.choices.items()]
+  for argv, command in every:
+    name = " ".join(argv)
     with pytest.raises(SystemExit):
-      cli.main([name, "--help"])
+      cli.main([*argv, "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     for action in command._actions:
-      if action.dest != "help":
+      if isinstance(action, argparse._SubParsersAction):
+        assert f"{action.help}" in shown, name
+      elif action.dest != "help":
         assert action.help, f"{name} {action.option_strings[0]} has no help"
         if action.required:  # it has no default to show
           assert f"{action.help} (default:" not in shown, (name, action.dest)
@@ -226,9 +233,13 @@ def test_help_shows_every_default(monkeypatch, capsys):
       assert "None = min(model context, 2048) (default: None)" in shown
       assert "None = auto (bfloat16 on GPU, float32 elsewhere) (default: None)" in shown
       assert "they print as `n/a (needs a GPU)` (null in --json, with gpu_counters false)" in shown
-    else:
-      assert name == "serve", name
+    elif name == "serve":
       assert "--port PORT port to listen on (0: any free one) (default: 8000)" in shown
+    elif name == "bench latency":
+      assert "--batch BATCH batch sizes to measure, comma separated" in shown
+      assert "--output FILE append this run's rows to FILE as JSON lines (default: None)" in shown
+    else:
+      assert name.startswith("bench"), name
 
 
 def test_stream_prints_what_generate_prints(checkpoint):

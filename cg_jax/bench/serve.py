@@ -1,0 +1,264 @@
+"""`python -m cg_jax bench serve`: a load generator against an OpenAI-compatible
+`/v1/completions` endpoint (`python -m cg_jax serve`, vLLM, or any other such server), measuring
+what a client sees.
+
+How: `--num-requests` prompts of random token ids (drawn in [1, --vocab-size), their lengths
+uniform in `--prompt-len`, all from `--seed`), sent as token-id prompts through the official
+`openai.AsyncOpenAI` client, one asyncio task per request. Arrivals are a Poisson process of
+`--rate` requests/s (inf: all at time 0), at most `--max-concurrency` in flight (a semaphore;
+a request's send time is when it gets past it). Every request is streamed with
+`stream_options.include_usage`, `max_tokens = --output-len`, `temperature 0` and the extensions
+`ignore_eos` (every request generates `--output-len` tokens) and `return_token_ids`. Per request
+it records the send time, each content chunk's arrival time and token count (`len(token_ids)`
+where the server gives them, else 1 per chunk with text), the final usage chunk's
+`completion_tokens` (the request's token count when given), the finish time and any error.
+The options are checked in `run` (a ValueError naming the flag, as in the other subcommands).
+
+Figures (over the requests that succeeded; times from `time.perf_counter` on the client):
+  * `tokens_per_s`: output tokens / wall, `requests_per_s`: requests / wall, where wall
+    (`wall_s`) runs from the first arrival to the last finish; `output_tokens` their sum.
+  * `ttft_ms` p50/p90/p99: send -> first chunk with content.
+  * `tpot_ms` p50/p90/p99: (last content chunk - first) / (tokens - 1), requests of 2+ tokens.
+  * `itl_ms` p50/p90/p99: the gaps between consecutive content chunks of a request (a chunk
+    carrying several tokens is one gap).
+  * `e2e_ms` p50/p99: send -> the stream's end.
+  * `errors`: requests that failed (an HTTP error, a refused connection, an error event in the
+    stream); the first 3 messages go to stderr. If every request fails, `run` raises
+    `AllFailed` (a ValueError: `python -m cg_jax` prints `error: ...`) with the first message.
+
+The row's `device` is "remote" unless `--device` names it (the server's accelerator is not
+visible from the client); `jax`, `commit` and `date` are the client's (`rows.where`), which is
+the server's when both run from one checkout. The workload records the base URL's host only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from cg_jax.bench import options, rows
+from cg_jax.bench.rows import Row
+
+try:  # the official client: the `bench` extra (and `test-core`), not a core dependency
+  import openai
+except ImportError as missing:
+  openai = None
+  OPENAI_MISSING = str(missing)
+else:
+  OPENAI_MISSING = ""
+
+SHOWN_ERRORS = 3  # failed requests whose message is printed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """`bench serve`'s own options (the CLI adds --output, --system, --compare)."""
+  parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                      help="the OpenAI-compatible API's base URL (…/v1)")
+  parser.add_argument("--model", required=True, help="the served model name")
+  parser.add_argument("--api-key", default=None,
+                      help="API key; None = $OPENAI_API_KEY, else a placeholder")
+  parser.add_argument("--num-requests", type=int, default=64, help="requests to send")
+  parser.add_argument("--prompt-len", default="64:480",
+                      help="prompt tokens: N, or MIN:MAX (inclusive, drawn uniformly, seeded)")
+  parser.add_argument("--output-len", type=int, default=128,
+                      help="tokens generated per request (max_tokens, with ignore_eos)")
+  parser.add_argument("--rate", default="inf",
+                      help="Poisson arrival rate, requests/s; inf = all at once")
+  parser.add_argument("--max-concurrency", type=int, default=None,
+                      help="most requests in flight; None = unlimited")
+  parser.add_argument("--vocab-size", type=int, default=1000,
+                      help="prompt token ids are drawn in [1, VOCAB_SIZE)")
+  parser.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+  parser.add_argument("--request-timeout", type=float, default=600.0,
+                      help="seconds per request before it counts as failed")
+  parser.add_argument("--device", default=None,
+                      help="the server's device, for the row; None = 'remote'")
+
+
+@dataclasses.dataclass
+class Record:
+  """What one request saw; times are `time.perf_counter()` seconds."""
+
+  sent: float = math.nan
+  chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (arrival, tokens)
+  finished: float = math.nan
+  usage_tokens: int | None = None  # the usage chunk's completion_tokens
+  error: str | None = None
+
+  @property
+  def tokens(self) -> int:
+    return self.usage_tokens if self.usage_tokens is not None else sum(n for _, n in self.chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """The requests to send: token-id prompts and their arrival offsets (seconds from start)."""
+
+  prompts: list[list[int]]
+  arrivals: list[float]
+
+
+def workload(num_requests: int, prompt_len: tuple[int, int], rate: float, vocab_size: int,
+             seed: int) -> Workload:
+  """The seeded prompts and Poisson arrivals (lengths, then ids, then gaps are drawn, so the
+  prompts do not depend on the rate)."""
+  rng = np.random.default_rng(seed)
+  sizes = rng.integers(prompt_len[0], prompt_len[1] + 1, size=num_requests)
+  prompts = [rng.integers(1, vocab_size, size=int(n)).tolist() for n in sizes]
+  if math.isinf(rate):
+    arrivals = [0.0] * num_requests
+  else:
+    gaps = rng.exponential(1.0 / rate, size=num_requests)
+    arrivals = [0.0, *np.cumsum(gaps[:-1]).tolist()]
+  return Workload(prompts, arrivals)
+
+
+def message(error: BaseException) -> str:
+  """A failed request's error in one line: the HTTP status and the server's message if any."""
+  if openai is not None and isinstance(error, openai.APIStatusError):
+    body = error.body
+    text = body.get("message") if isinstance(body, dict) else None
+    return f"HTTP {error.status_code}: {text or error.message}"
+  return f"{type(error).__name__}: {error}"
+
+
+async def _request(client: Any, args: argparse.Namespace, prompt: list[int], start: float,
+                   arrival: float, gate: Any, record: Record, bar: tqdm) -> None:
+  await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+  async with gate:
+    record.sent = time.perf_counter()
+    try:
+      stream = await client.completions.create(
+          model=args.model, prompt=prompt, max_tokens=args.output_len, temperature=0,
+          stream=True, stream_options={"include_usage": True},
+          extra_body={"ignore_eos": True, "return_token_ids": True})
+      async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+          record.usage_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+          ids = (choice.model_extra or {}).get("token_ids")
+          count = len(ids) if ids is not None else int(bool(choice.text))
+          if count:
+            record.chunks.append((now, count))
+    except openai.APIError as error:
+      record.error = message(error)
+    finally:
+      record.finished = time.perf_counter()
+      bar.update(1)
+
+
+async def _send(args: argparse.Namespace, work: Workload) -> tuple[list[Record], float]:
+  """Every request's record and the start time (the first arrival)."""
+  records = [Record() for _ in work.prompts]
+  gate = (asyncio.Semaphore(args.max_concurrency) if args.max_concurrency
+          else contextlib.nullcontext())
+  api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+  client = openai.AsyncOpenAI(base_url=args.base_url, api_key=api_key, max_retries=0,
+                              timeout=args.request_timeout)
+  try:
+    with tqdm(total=len(records), desc="requests", unit="req", file=sys.stderr) as bar:
+      start = time.perf_counter()
+      await asyncio.gather(*[
+          _request(client, args, prompt, start, arrival, gate, record, bar)
+          for prompt, arrival, record in zip(work.prompts, work.arrivals, records, strict=True)])
+  finally:
+    await client.close()
+  return records, start
+
+
+def figures(records: Sequence[Record], start: float) -> dict[str, float]:
+  """The row's figures of the requests' records (see the module docstring)."""
+  done = [r for r in records if r.error is None]
+  errors = len(records) - len(done)
+  wall = max(r.finished for r in records) - start
+  output = sum(r.tokens for r in done)
+  ttft, tpot, itl, e2e = [], [], [], []
+  for r in done:
+    e2e.append((r.finished - r.sent) * 1e3)
+    if not r.chunks:
+      continue
+    times = [t for t, _ in r.chunks]
+    ttft.append((times[0] - r.sent) * 1e3)
+    if r.tokens > 1:
+      tpot.append((times[-1] - times[0]) / (r.tokens - 1) * 1e3)
+    itl += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+  return {"tokens_per_s": output / wall, "requests_per_s": len(done) / wall, "wall_s": wall,
+          "output_tokens": float(output), **rows.percentiles("ttft_ms", ttft),
+          **rows.percentiles("tpot_ms", tpot), **rows.percentiles("itl_ms", itl),
+          **rows.percentiles("e2e_ms", e2e, (50, 99)), "errors": float(errors)}
+
+
+class AllFailed(ValueError):
+  """Every request failed (a ValueError: `python -m cg_jax` prints it as `error: ...`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+  """A run's checked settings and what each request saw."""
+
+  prompt_len: tuple[int, int]
+  rate: float
+  records: list[Record]
+  start: float  # perf_counter at the first arrival
+
+
+def measure(args: argparse.Namespace) -> Measurement:
+  """Checks the options (a ValueError naming the flag), sends the workload and records it."""
+  if openai is None:
+    raise ValueError(f"bench serve needs the `openai` package ({OPENAI_MISSING}): "
+                     "pip install 'cg_jax[bench]'")
+  options.integer("--num-requests", args.num_requests)
+  options.integer("--output-len", args.output_len)
+  options.integer("--max-concurrency", args.max_concurrency, optional=True)
+  options.integer("--vocab-size", args.vocab_size, 2)
+  if not args.request_timeout > 0:
+    raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout!r}")
+  prompt_len = options.length_range("--prompt-len", args.prompt_len)
+  rate = options.rate("--rate", args.rate)
+  work = workload(args.num_requests, prompt_len, rate, args.vocab_size, args.seed)
+  records, start = asyncio.run(_send(args, work))
+  return Measurement(prompt_len, rate, records, start)
+
+
+def row(args: argparse.Namespace, measured: Measurement) -> Row:
+  """The row of a measurement; every request failed: `AllFailed` with the first message, some
+  failed: the first `SHOWN_ERRORS` messages on stderr (and a note there if a request got fewer
+  tokens than asked)."""
+  records = measured.records
+  failed = [r.error for r in records if r.error is not None]
+  if len(failed) == len(records):
+    raise AllFailed(f"bench serve: all {len(records)} requests to {args.base_url} failed; the "
+                    f"first: {failed[0]}")
+  if failed:
+    print(f"bench serve: {len(failed)} of {len(records)} requests failed:", file=sys.stderr)
+    for text in failed[:SHOWN_ERRORS]:
+      print(f"  {text}", file=sys.stderr)
+  short = sum(r.error is None and r.tokens < args.output_len for r in records)
+  if short:
+    print(f"bench serve: {short} requests got fewer than --output-len {args.output_len} tokens "
+          f"(does the server honour ignore_eos?)", file=sys.stderr)
+  host = urllib.parse.urlsplit(args.base_url).hostname or args.base_url
+  load = {"kind": "serve", "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+          "output_len": args.output_len,
+          "rate": "inf" if math.isinf(measured.rate) else measured.rate,
+          "max_concurrency": args.max_concurrency, "base_url": host}
+  return options.row(args, load, figures(records, measured.start),
+                     device=args.device or "remote")
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+  """Sends the workload and returns its one row (`measure`, then `row`)."""
+  return [row(args, measure(args))]

@@ -1,0 +1,141 @@
+"""`bench throughput`: continuous batching under a stream of requests through `Engine.submit`.
+
+`--num-requests` prompts of seeded random token ids, their lengths fixed or drawn uniformly
+from an inclusive `MIN:MAX` range, arrive at Poisson times of `--rate` requests per second
+(`inf`: all at once) and each asks for `--output-len` tokens with no EOS
+(`submit(ids, output_len, eos_token_id=[])`). The engine warms up on all its buckets and serves
+one unmeasured request first. One thread per request iterates its handle and records when its
+first token and its last arrived; every request must make exactly output_len tokens.
+
+Figures: `tokens_per_s` and `requests_per_s` (all output tokens, all requests, over the wall
+time from the first submit to the last finish), `output_tokens` (their count), and percentiles
+over the requests of `ttft_ms` (submit to first token), `tpot_ms` ((finish - first token) /
+(tokens - 1)) and `e2e_ms` (submit to finish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import threading
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from cg_jax.bench import options, rows
+from cg_jax.engine import Engine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  options.add_model_arguments(parser)
+  parser.add_argument("--num-requests", type=int, default=64, help="requests to submit")
+  parser.add_argument("--prompt-len", default="64:480",
+                      help="prompt tokens: a length N or an inclusive range MIN:MAX (drawn "
+                           "uniformly, seeded)")
+  parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+  parser.add_argument("--rate", default="inf",
+                      help="requests per second, Poisson arrivals; inf = all at once")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the prompt lengths, tokens and arrival times")
+
+
+class _Request(threading.Thread):
+  """Consumes one handle: counts its tokens and notes when the first and the last came."""
+
+  def __init__(self, handle, submitted: float, done):
+    super().__init__(daemon=True)
+    self.handle, self.submitted, self.done = handle, submitted, done
+    self.first = self.finished = None
+    self.tokens = 0
+    self.error: BaseException | None = None
+
+  def run(self) -> None:
+    try:
+      for delta in self.handle:
+        if delta.token < 0:  # text held back to the end, no token
+          continue
+        if self.tokens == 0:
+          self.first = time.perf_counter()
+        self.tokens += 1
+      self.finished = time.perf_counter()
+    except BaseException as error:  # noqa: BLE001 - re-raised by the submitting thread
+      self.error = error
+    finally:
+      self.done()
+
+
+def run(args) -> list[rows.Row]:
+  count = options.integer("--num-requests", args.num_requests)
+  low, high = options.length_range("--prompt-len", args.prompt_len)
+  output_len = options.integer("--output-len", args.output_len)
+  per_s = options.rate("--rate", args.rate)
+  if args.max_seq_len is not None:
+    options.fits(high, output_len, args.max_seq_len)
+  engine = Engine.from_pretrained(args.model, max_waiting=max(count, 1024),  # all may wait
+                                  **options.engine_options(
+                                      args, options.int_list("--batch-buckets", args.batch_buckets),
+                                      options.int_list("--prompt-buckets", args.prompt_buckets)))
+  try:
+    return _measure(args, engine, count, (low, high), output_len, per_s)
+  finally:
+    engine.close()
+
+
+def _measure(args, engine: Engine, count: int, lengths: tuple[int, int], output_len: int,
+             per_s: float) -> list[rows.Row]:
+  low, high = lengths
+  options.fits(high, output_len, engine.config.max_seq_len)
+  rng = np.random.default_rng(args.seed)
+  vocab = engine.model_config.vocab_size
+  sizes = rng.integers(low, high + 1, count)  # [count]
+  prompts = [rng.integers(0, vocab, int(n)).tolist() for n in sizes]  # count x [n]
+  gaps = rng.exponential(1 / per_s, count) if math.isfinite(per_s) else np.zeros(count)
+  arrivals = np.concatenate([[0.0], np.cumsum(gaps[1:])])  # [count] seconds from the first
+  engine.warmup()
+  warm = rng.integers(0, vocab, low).tolist()  # [low]
+  engine.submit(warm, output_len, eos_token_id=[]).result()
+
+  bar = tqdm(total=count, desc="throughput", unit="req")
+  lock = threading.Lock()
+
+  def done():
+    with lock:
+      bar.update()
+
+  requests = []
+  start = time.perf_counter()
+  try:
+    for prompt, at in zip(prompts, arrivals):
+      wait = start + at - time.perf_counter()
+      if wait > 0:
+        time.sleep(wait)
+      submitted = time.perf_counter()
+      request = _Request(engine.submit(prompt, output_len, eos_token_id=[]), submitted, done)
+      request.start()
+      requests.append(request)
+    for request in requests:
+      request.join()
+  finally:
+    bar.close()
+  for i, request in enumerate(requests):
+    if request.error is not None:
+      raise RuntimeError(f"request {i} failed: {request.error!r}") from request.error
+    if request.tokens != output_len:
+      raise RuntimeError(f"request {i} made {request.tokens} tokens, not --output-len "
+                         f"{output_len}")
+  wall = max(r.finished for r in requests) - requests[0].submitted
+  tokens = sum(r.tokens for r in requests)
+  figures = {
+      "tokens_per_s": tokens / wall, "requests_per_s": count / wall, "output_tokens": tokens,
+      **rows.percentiles("ttft_ms", [(r.first - r.submitted) * 1e3 for r in requests]),
+      **rows.percentiles("tpot_ms", [(r.finished - r.first) / (r.tokens - 1) * 1e3
+                                     for r in requests if r.tokens > 1]),
+      **rows.percentiles("e2e_ms", [(r.finished - r.submitted) * 1e3 for r in requests],
+                         (50, 99)),
+  }
+  workload = dict(kind="throughput", num_requests=count,
+                  prompt_len=str(low) if low == high else f"{low}:{high}", output_len=output_len,
+                  rate=per_s if math.isfinite(per_s) else "inf", seed=args.seed,
+                  dtype=engine.dtype.name)
+  return [options.row(args, workload, figures)]

@@ -1,0 +1,159 @@
+"""`python -m cg_jax bench`: each subcommand through `cli.main` on the tiny-llama preset with tiny
+workloads; the rows it appends to --output (schema, workload, sane figures), the table it
+prints, --compare's earlier rows beside this run's, and bad arguments (exit 2 naming the
+flag)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from cg_jax import cli
+from cg_jax.bench import rows
+
+MODEL = "tiny-llama"
+ENGINE = ["--model", MODEL, "--max-seq-len", "32"]
+TINY_START = [*ENGINE, "--batch-buckets", "1", "--prompt-buckets", "16"]  # one bucket each
+
+
+def _bench(capsys, *argv) -> tuple[int, str, str]:
+  code = cli.main(["bench", *argv])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def _check_schema(row: rows.Row, kind: str) -> None:
+  assert row.schema == rows.SCHEMA and row.system == "cg_jax" and row.model == MODEL
+  assert row.workload["kind"] == kind
+  assert row.device and row.jax and row.commit and row.date
+  assert all(isinstance(v, float) for v in row.figures.values())
+
+
+def _table_line(out: str, row: rows.Row) -> str:
+  """The printed table's line of `row` (its workload as the table writes it: in key order)."""
+  workload = ", ".join(f"{k}={v}" for k, v in sorted(row.workload.items()))
+  lines = [line for line in out.splitlines()
+           if line.startswith(f"| {row.system} | {row.model} | {workload} |")]
+  assert len(lines) == 1, out
+  return lines[0]
+
+
+def test_latency_rows_and_table(capsys, tmp_path):
+  output = tmp_path / "latency.jsonl"
+  code, out, _ = _bench(capsys, "latency", *ENGINE, "--batch", "1,2", "--prompt-len", "12",
+                        "--output-len", "8", "--repeats", "3", "--output", str(output))
+  assert code == 0
+  found = rows.read([str(output)])
+  assert [r.workload["batch"] for r in found] == [1, 2]
+  for row in found:
+    _check_schema(row, "latency")
+    assert row.workload == dict(kind="latency", batch=row.workload["batch"], prompt_len=12,
+                                output_len=8, repeats=3, dtype="float32")
+    f = row.figures
+    for name in ("ttft_ms", "ttft_last_ms", "tpot_ms", "tokens_per_s"):
+      assert 0 < f[f"{name}_p50"] <= f[f"{name}_p90"] <= f[f"{name}_p99"], (name, f)
+    assert f["ttft_last_ms_p50"] >= f["ttft_ms_p50"] and f["step_us"] > 0
+    # Per call tokens_per_s = batch * 8 / (ttft + tpot * 7) exactly; the medians roughly.
+    expected = row.workload["batch"] * 8 / ((f["ttft_ms_p50"] + 7 * f["tpot_ms_p50"]) / 1e3)
+    assert expected / 3 < f["tokens_per_s_p50"] < expected * 3, (expected, f)
+    _table_line(out, row)
+  header = next(line for line in out.splitlines() if line.startswith("| system |"))
+  assert "ttft_last_ms_p50" in header and "step_us" in header
+
+
+def test_throughput_counts_every_token_and_compares(capsys, tmp_path):
+  workload = dict(kind="throughput", num_requests=8, prompt_len="5:20", output_len=6,
+                  rate=200.0, seed=0, dtype="float32")
+  peer = rows.Row(system="peer", model=MODEL, workload=workload,
+                  figures={"tokens_per_s": 10.0}, device="cpu", jax="0", commit="x",
+                  date="2026-01-01")
+  earlier = tmp_path / "peer.jsonl"
+  rows.write(str(earlier), [peer])
+  output = tmp_path / "throughput.jsonl"
+  code, out, _ = _bench(capsys, "throughput", *ENGINE, "--batch-buckets", "1,4",
+                        "--prompt-buckets", "16", "--num-requests", "8", "--prompt-len", "5:20",
+                        "--output-len", "6", "--rate", "200", "--output", str(output),
+                        "--compare", str(earlier))
+  assert code == 0
+  [row] = rows.read([str(output)])
+  _check_schema(row, "throughput")
+  assert row.workload == workload
+  f = row.figures
+  assert f["output_tokens"] == 8 * 6
+  assert f["tokens_per_s"] == pytest.approx(f["requests_per_s"] * 6)
+  for name in ("ttft_ms", "tpot_ms"):
+    assert 0 < f[f"{name}_p50"] <= f[f"{name}_p90"] <= f[f"{name}_p99"], (name, f)
+  assert f["e2e_ms_p50"] >= f["ttft_ms_p50"] and f["e2e_ms_p99"] >= f["e2e_ms_p50"]
+  # The peer's row first, then this run's beside it with its ratio to the peer's.
+  lines = out.splitlines()
+  peer_line, line = _table_line(out, peer), _table_line(out, row)
+  assert lines.index(peer_line) + 1 == lines.index(line)
+  assert f"{f['tokens_per_s']:.4g} ({f['tokens_per_s'] / 10.0:.2f}x)" in line
+
+
+def test_startup_engine_cold_then_warm(capsys, tmp_path):
+  output = tmp_path / "startup.jsonl"
+  code, out, _ = _bench(capsys, "startup", *TINY_START, "--which", "engine", "--starts",
+                        "cold,warm", "--output", str(output))
+  assert code == 0
+  cold, warm = rows.read([str(output)])
+  for row, cache in ((cold, "cold"), (warm, "warm")):
+    _check_schema(row, "startup")
+    assert row.workload == dict(kind="startup", which="engine", cache=cache, max_seq_len=32,
+                                batch_buckets="1", prompt_buckets="16")
+    _table_line(out, row)
+    f = row.figures
+    assert 0 < f["load_s"] <= f["warmup_s"] <= f["first_answer_s"], f
+  # The warm start loads the executables the cold one compiled.
+  assert warm.figures["warmup_s"] - warm.figures["load_s"] < (cold.figures["warmup_s"]
+                                                              - cold.figures["load_s"])
+
+
+@pytest.mark.skipif(cli.server is None, reason="`serve` needs the serve extra")
+def test_startup_serve(capsys, tmp_path):
+  output = tmp_path / "startup.jsonl"
+  code, out, _ = _bench(capsys, "startup", *TINY_START, "--which", "serve", "--starts", "cold",
+                        "--output", str(output))
+  assert code == 0
+  [row] = rows.read([str(output)])
+  _check_schema(row, "startup")
+  assert row.workload == dict(kind="startup", which="serve", cache="cold", max_seq_len=32,
+                              batch_buckets="1", prompt_buckets="16")
+  _table_line(out, row)
+  f = row.figures
+  assert 0 < f["listen_s"] <= f["ready_s"] <= f["first_answer_s"], f
+
+
+@pytest.mark.parametrize("argv, flag, allowed", [
+    (["latency", "--batch", "0"], "--batch", ">= 1"),
+    (["latency", "--batch", "1,x"], "--batch", "integers >= 1"),
+    (["latency", "--batch", "4", "--batch-buckets", "1,2"], "--batch 4", "1 to 2"),
+    (["latency", "--prompt-len", "30", "--output-len", "8", "--max-seq-len", "32"],
+     "--prompt-len 30 + --output-len 8", "at most the KV cache length, --max-seq-len 32"),
+    (["latency", "--repeats", "0"], "--repeats", ">= 1"),
+    (["throughput", "--prompt-len", "5:2"], "--prompt-len", "MIN <= MAX"),
+    (["throughput", "--prompt-len", "0"], "--prompt-len", "N >= 1"),
+    (["throughput", "--rate", "0"], "--rate", "> 0, or inf"),
+    (["throughput", "--num-requests", "0"], "--num-requests", ">= 1"),
+    (["startup", "--which", "engine,gpu"], "--which", "engine, serve"),
+])
+def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, flag, allowed):
+  code, out, err = _bench(capsys, *argv)
+  assert code == 2 and out == ""
+  assert err.startswith("error: ") and flag in err and allowed in err, err
+
+
+def test_missing_compare_file_or_output_directory_names_the_flag(capsys, tmp_path):
+  code, _, err = _bench(capsys, "latency", "--compare", str(tmp_path / "none.jsonl"))
+  assert code == 2 and "--compare" in err
+  code, _, err = _bench(capsys, "latency", "--output", str(tmp_path / "none" / "rows.jsonl"))
+  assert code == 2 and "--output" in err
+
+
+def test_rows_round_trip(tmp_path):
+  row = rows.Row(system="s", model="m", workload={"kind": "latency", "batch": 1},
+                 figures={"ttft_ms_p50": 1.5}, **rows.where("cpu"))
+  path = str(tmp_path / "rows.jsonl")
+  rows.write(path, [row, dataclasses.replace(row, system="t")])
+  assert [r.system for r in rows.read([path])] == ["s", "t"]
+  assert json.loads(row.to_json())["schema"] == rows.SCHEMA
