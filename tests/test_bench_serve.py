@@ -7,7 +7,6 @@ server's 404 and message; bad options name their flag; `python -m cg_jax bench s
 and prints the row, or `error: ...`; the server stops with no thread left."""
 
 import argparse
-import http.client
 import math
 import socket
 import threading
@@ -15,10 +14,10 @@ import time
 
 import pytest
 import tqdm
-import uvicorn
 
 from cg_jax import Engine, cli, server
 from cg_jax.bench import rows, serve
+from tests import live_server
 
 MODEL = "kjv-serve-bench"
 NUM_REQUESTS, OUTPUT_LEN = 8, 12
@@ -37,15 +36,6 @@ def _args(port: int | None, *extra: str) -> argparse.Namespace:
   return parser.parse_args([*url, "--model", MODEL, *WORKLOAD, *extra])
 
 
-def _health(port: int) -> int:
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-  try:
-    conn.request("GET", "/health")
-    return conn.getresponse().status
-  finally:
-    conn.close()
-
-
 @pytest.fixture(scope="module")
 def port():
   """A server in a thread, its engine warmed up beforehand for the serving executables only
@@ -58,27 +48,12 @@ def port():
     engine = Engine.from_pretrained("kjv-llama-6m", max_seq_len=128, batch_buckets=(2, 8),
                                     prompt_buckets=(32,))
     engine.warmup(progress=False)
-    app = server.create_app(engine, MODEL, warmup=False)
-    live = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                         lifespan="on"))
-    thread = threading.Thread(target=live.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not live.started:
-      assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-      time.sleep(0.02)
-    try:
-      port = live.servers[0].sockets[0].getsockname()[1]
-      assert _health(port) == 200
+    with live_server.serving(server.create_app(engine, MODEL, warmup=False)) as port:
       yield port
-    finally:
-      live.should_exit = True
-      thread.join(timeout=60)
-      assert not thread.is_alive(), "the server thread did not stop"
-      deadline = time.monotonic() + 10
-      while set(threading.enumerate()) - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-      assert not set(threading.enumerate()) - before
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not set(threading.enumerate()) - before
 
 
 def _check(args, measured):

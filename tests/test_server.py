@@ -11,7 +11,6 @@ bar counts what compiles; echo with max_tokens 0 takes a full-context prompt; no
 behind."""
 
 import asyncio
-import contextlib
 import http.client
 import itertools
 import json
@@ -28,12 +27,13 @@ import time
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from cg_jax import Engine, cli, server
 from cg_jax.chat_template import ChatTemplate
 from cg_jax.hub import BUNDLED_DIR, DEFAULT_MODEL
+from tests.live_server import get as _get, serving as _serving, start as _start, stop as _stop
+from tests.live_server import wait_health as _wait_health
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "kjv-test"
@@ -78,49 +78,6 @@ def engine(checkpoint):
   return engine
 
 
-def _start(app, ready: bool = True):
-  """uvicorn serving `app` on 127.0.0.1 in a thread, listening and (with `ready`) warmed up:
-  /health answers 200; returns (server, thread, port)."""
-  config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-  live = uvicorn.Server(config)
-  thread = threading.Thread(target=live.run, name="test-uvicorn", daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 120
-  while not live.started:
-    assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-    time.sleep(0.02)
-  port = live.servers[0].sockets[0].getsockname()[1]
-  if ready:
-    _wait_health(port, 200)
-  return live, thread, port
-
-
-def _wait_health(port, status: int, timeout: float = 120) -> dict:
-  """/health's body once it answers `status`."""
-  deadline = time.monotonic() + timeout
-  while True:
-    got, body = _get(port, "/health")
-    if got == status:
-      return json.loads(body)
-    assert time.monotonic() < deadline, f"/health still answers {got}: {body!r}"
-    time.sleep(0.05)
-
-
-def _stop(live, thread):
-  live.should_exit = True
-  thread.join(timeout=60)
-  assert not thread.is_alive(), "the server thread did not stop"
-
-
-@contextlib.contextmanager
-def _serving(app, ready: bool = True):
-  live, thread, port = _start(app, ready)
-  try:
-    yield port
-  finally:
-    _stop(live, thread)
-
-
 def _engine_threads():
   return [t for t in threading.enumerate() if t.name == "cg_jax-engine"]
 
@@ -149,16 +106,6 @@ def client(port):
                          timeout=TIMEOUT)
   yield client
   client.close()
-
-
-def _get(port, path):
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
-  try:
-    conn.request("GET", path)
-    response = conn.getresponse()
-    return response.status, response.read()
-  finally:
-    conn.close()
 
 
 def _post(port, path, body: bytes | dict):
