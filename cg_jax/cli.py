@@ -22,7 +22,7 @@ from cg_jax.bench import serve as bench_serve
 from cg_jax.bench import startup as bench_startup
 from cg_jax.bench import throughput as bench_throughput
 from cg_jax.buckets import DEFAULT_BATCH_BUCKETS
-from cg_jax.config import on_gpu
+from cg_jax.config import DEFAULT_MAX_SEQ_LEN, on_gpu
 from cg_jax.engine import Engine
 from cg_jax.graphs import GRAPH_MODES
 from cg_jax.hub import DEFAULT_MODEL, resolve_model
@@ -54,9 +54,6 @@ class _BenchFormatter(argparse.RawDescriptionHelpFormatter, _DefaultsFormatter):
   """The module docstring as written; every option's help ends with its default."""
 
 
-# `generate`'s and `serve`'s KV cache length when --max-seq-len is not given is
-# min(model context, DEFAULT_CONTEXT) (EngineConfig.create); `profile` uses the same.
-DEFAULT_CONTEXT = 2048
 _DTYPES = ("float32", "bfloat16", "float16")
 _MODEL_HELP = ("checkpoint directory, bundled model (kjv-llama-6m is trained on the King James "
                "Bible), preset name (random weights, no tokenizer) or HF model name in the local "
@@ -186,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
                          "elsewhere)")
   prof.add_argument("--max-seq-len", type=int, default=None,
-                    help=f"KV cache length; None = min(model context, {DEFAULT_CONTEXT})")
+                    help=f"KV cache length; None = min(model context, {DEFAULT_MAX_SEQ_LEN})")
   prof.add_argument("--position", type=int, default=None,
                     help="cache position of the timed steps; None = min(512, max seq len // 2)")
   prof.add_argument("--steps", type=int, default=10, help="decode steps to profile")
@@ -227,10 +224,10 @@ def model_context(model: str) -> int:
 
 
 def profile_lengths(model: str, max_seq_len: int | None, position: int | None) -> tuple[int, int]:
-  """`profile`'s (max_seq_len, position): None means min(model context, DEFAULT_CONTEXT), as
+  """`profile`'s (max_seq_len, position): None means min(model context, DEFAULT_MAX_SEQ_LEN), as
   `generate` and `serve` do, and half the cache, at most 512."""
   if max_seq_len is None:
-    max_seq_len = min(model_context(model), DEFAULT_CONTEXT)
+    max_seq_len = min(model_context(model), DEFAULT_MAX_SEQ_LEN)
   if position is None:
     position = min(512, max_seq_len // 2)
   return max_seq_len, position

@@ -46,6 +46,8 @@ CUBLAS_PREFILL_HIDDEN = 2048
 MAX_MATMUL_ROWS = 64
 # The prompt chunk of `batch_invariant` engines unless prompt_buckets names one.
 INVARIANT_CHUNK = 256
+# The KV-cache length when max_seq_len is not given: min(model context, DEFAULT_MAX_SEQ_LEN).
+DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def _is_int(value) -> bool:
@@ -248,13 +250,13 @@ class EngineConfig:
              prefix_block: int | None = None, compiler_options: Mapping[str, Any] | None = None,
              batch_invariant: bool = False, **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
-    min(model context, 2048); prompt buckets powers of two from 16 below max_seq_len; a prefix
+    min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below max_seq_len; a prefix
     cache of 4 x max_seq_len tokens in blocks of min(16, max_seq_len - 1); the prompt
     executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
     the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
     min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
     if max_seq_len is None:
-      max_seq_len = min(model.max_position_embeddings, 2048)
+      max_seq_len = min(model.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if _is_int(max_seq_len) and max_seq_len >= 2:  # (else the tree's own check says why)
       if prompt_buckets is None and batch_invariant is True:
         prompt_buckets = (min(INVARIANT_CHUNK, max_seq_len - 1),)

@@ -727,6 +727,14 @@ def test_streamed_logprobs_equal_the_non_streamed(client):
   assert streamed and _close(streamed, [e.model_dump() for e in whole.choices[0].logprobs.content])
 
 
+def _end(process, reader) -> None:
+  """Kill the server process if it still runs, and join the thread that reads its log."""
+  if process.poll() is None:
+    process.kill()
+    process.wait()
+  reader.join(timeout=30)
+
+
 def test_sigterm_drains_and_exits():
   """`python -m cg_jax serve`: a stream in flight at SIGTERM completes, then the process exits 0
   (engine closed by the app's shutdown)."""
@@ -763,10 +771,7 @@ def test_sigterm_drains_and_exits():
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert process.wait(timeout=60) == 0, "".join(lines)
   finally:
-    if process.poll() is None:
-      process.kill()
-      process.wait()
-    reader.join(timeout=30)
+    _end(process, reader)
   assert "Traceback" not in "".join(lines), "".join(lines)
   with pytest.raises(OSError):
     socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -986,10 +991,7 @@ def test_sigterm_during_the_warmup_exits_cleanly():
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 0, "".join(lines)
   finally:
-    if process.poll() is None:
-      process.kill()
-      process.wait()
-    reader.join(timeout=30)
+    _end(process, reader)
   log = "".join(lines)
   total = int(re.search(r"warming up: (\d+) executables to load or compile", log)[1])
   assert total > 5 and f"of {total} executables ready" in log
