@@ -24,10 +24,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-
 from bench_util import (HBM_BYTES_PER_S, fastest, git_commit, median_call_us, relative_error,
                         write_rows)
-from cg_jax.graphs import compiler_options
+
+from cg_jax.core.graphs import compiler_options
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_reference,
                                              decode_attention_with_write, split_layout)

@@ -19,10 +19,10 @@ import shutil
 import time
 
 import jax
-
 from bench_util import HBM_BYTES_PER_S, failed_row, git_commit, write_rows
+
 from cg_jax import Engine, profile
-from cg_jax.graphs import GRAPH_MODES
+from cg_jax.core.graphs import GRAPH_MODES
 
 # XLA options per GEMM backend: "xla" is XLA's own choice (Triton GEMM fusions, autotuned against
 # cuBLAS one by one); "cublas" turns the Triton GEMMs off (cuBLAS with bias epilogues); "cublaslt"

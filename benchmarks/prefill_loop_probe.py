@@ -24,12 +24,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from bench_util import median_s
+
 from cg_jax import Engine, profile
-from cg_jax.attention import PallasAttention
+from cg_jax.core.attention import PallasAttention
+from cg_jax.core.sampling import select_tokens
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
-from cg_jax.sampling import select_tokens
 from models.attention import XlaAttention
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "pred": 1, "u8": 1, "s8": 1, "u32": 4}

@@ -20,9 +20,10 @@ import time
 
 import jax
 import numpy as np
-
 from bench_util import generate_ttft_ms, git_commit, prompt_call_ms, prompt_probe_parser
-from cg_jax import Engine, prefix_cache
+
+from cg_jax import Engine
+from cg_jax.core import prefix_cache
 
 
 def eager_lookup(index, prompt, multiple=1):

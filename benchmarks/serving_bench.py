@@ -65,11 +65,13 @@ except ImportError:
   except ImportError:
     httpx = None
 
-from cg_jax import Engine, host_io
-from cg_jax.config import EngineConfig
+from static_path import StaticPath
+
+from cg_jax import Engine
+from cg_jax.core import host_io
+from cg_jax.core.config import EngineConfig
 from cg_jax.hub import resolve_model
 from models.config import PRESETS
-from static_path import StaticPath
 
 NEW_TOKENS = 128
 PROMPT_LENGTHS = (64, 480)

@@ -1,6 +1,6 @@
 """The static path, the scheduler's baseline in serving_bench.py: a validated request run alone,
 batch by batch, through an engine's executable table and KV cache (`Engine.generate` goes
-through `cg_jax.scheduler` instead).
+through `cg_jax.core.scheduler` instead).
 
 A request's prompts are cut into runs of at most the largest batch bucket; each run is padded
 to its (batch, prompt-length) bucket, prefilled ("prefill", then "first"), and decoded one host
@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from cg_jax import Engine, host_io, text, validation
-from cg_jax.config import EngineConfig
-from cg_jax.executables import ExecutableTable
+from cg_jax import Engine, text, validation
+from cg_jax.core import host_io
+from cg_jax.core.config import EngineConfig
+from cg_jax.core.executables import ExecutableTable
+from cg_jax.core.kv_cache import CacheHolder
+from cg_jax.core.sampling import SamplingArrays
 from cg_jax.generation import GenerationResult, RowText, StreamChunk
-from cg_jax.kv_cache import CacheHolder
-from cg_jax.sampling import SamplingArrays
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,11 +24,11 @@ import os
 
 import jax
 import numpy as np
-
 from bench_util import failed_row, git_commit, relative_error, write_rows
-from cg_jax import Engine, profile
-from cg_jax.graphs import GRAPH_MODES
 from graphs_bench import floor_us as one_gpu_floor_us
+
+from cg_jax import Engine, profile
+from cg_jax.core.graphs import GRAPH_MODES
 
 # The `full` command types plus COLLECTIVES, as an extra per-executable option. Measured on two
 # H200s (results/tp_h200.md): alone it changes nothing (33 graphs per device per step), since

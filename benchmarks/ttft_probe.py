@@ -24,11 +24,11 @@ import time
 
 import jax
 import numpy as np
-
 from bench_util import median_s, prompt_probe_parser
 from decode_kernels import step_kernels
+
 from cg_jax import Engine, profile
-from cg_jax import scheduler as scheduler_module
+from cg_jax.core import scheduler as scheduler_module
 
 # Scheduler methods whose entry the timeline marks (engine thread).
 _MARKED = ("_iteration", "_prefill", "_first_chunks", "_join", "_deliver")

@@ -7,8 +7,8 @@ Public entry points:
   DecodeAttentionConfig and FlashAttentionConfig.
 """
 
-from cg_jax.buckets import Buckets
-from cg_jax.config import EngineConfig, ForwardConfig
+from cg_jax.core.buckets import Buckets
+from cg_jax.core.config import EngineConfig, ForwardConfig
 from cg_jax.engine import Engine
 from cg_jax.generation import GenerationResult, StreamChunk
 from cg_jax.kernels.decode_attention import DecodeAttentionConfig

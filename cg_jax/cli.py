@@ -21,10 +21,10 @@ from cg_jax.bench import rows as bench_rows
 from cg_jax.bench import serve as bench_serve
 from cg_jax.bench import startup as bench_startup
 from cg_jax.bench import throughput as bench_throughput
-from cg_jax.buckets import DEFAULT_BATCH_BUCKETS
-from cg_jax.config import DEFAULT_MAX_SEQ_LEN, on_gpu
+from cg_jax.core.buckets import DEFAULT_BATCH_BUCKETS
+from cg_jax.core.config import DEFAULT_MAX_SEQ_LEN, on_gpu
+from cg_jax.core.graphs import GRAPH_MODES
 from cg_jax.engine import Engine
-from cg_jax.graphs import GRAPH_MODES
 from cg_jax.hub import DEFAULT_MODEL, resolve_model
 from cg_jax.sampling_params import ParamError, SamplingParams
 from cg_jax.validation import IgnoredSamplingWarning
@@ -32,7 +32,8 @@ from models import hf
 from models.config import PRESETS
 
 try:  # the HTTP server needs the `serve` extra (fastapi, uvicorn, prometheus-client, jinja2)
-  from cg_jax import server
+  from cg_jax import serving as server
+  from cg_jax.serving import launch
 except ImportError as missing:
   server = None
   SERVER_MISSING = str(missing)
@@ -100,7 +101,7 @@ def _engine_flags(parser: argparse.ArgumentParser, batches: str) -> None:
                       help="KV cache length (prompt + new tokens); None = min(model context, "
                            "2048)")
   parser.add_argument("--tensor-parallel", type=int, default=1,
-                      help="split the model over this many devices (cg_jax.sharding)")
+                      help="split the model over this many devices (cg_jax.core.sharding)")
   parser.add_argument("--batch-invariant", action="store_true",
                       help="a request's tokens do not depend on the other requests or the load "
                            "(EngineConfig.batch_invariant)")
@@ -159,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a slot; more are answered 429")
   srv.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take (past it: 504); None = no limit")
+  srv.add_argument("--api-servers", type=int, default=1,
+                   help="front-end processes (HTTP, tokenizing, text) on the one port, all "
+                        "served by one engine-core process")
   srv.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM / SIGINT")
   srv.add_argument("--log-level", default="info",
@@ -176,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
   prof.add_argument("--model", required=True, help=_MODEL_HELP)
   prof.add_argument("--batch", type=int, default=1, help="batch size of the decode step")
   prof.add_argument("--graphs", default="xla-default", choices=tuple(GRAPH_MODES),
-                    help="CUDA graph mode (cg_jax.graphs)")
+                    help="CUDA graph mode (cg_jax.core.graphs)")
   prof.add_argument("--layer-loop", default="unroll", choices=("scan", "unroll"),
                     help="run the layers as a lax.scan or unrolled")
   prof.add_argument("--dtype", default=None, choices=_DTYPES,
@@ -188,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache position of the timed steps; None = min(512, max seq len // 2)")
   prof.add_argument("--steps", type=int, default=10, help="decode steps to profile")
   prof.add_argument("--tensor-parallel", type=int, default=1,
-                    help="split the model over this many devices (cg_jax.sharding)")
+                    help="split the model over this many devices (cg_jax.core.sharding)")
   prof.add_argument("--json", action="store_true",
                     help="print one JSON object (off a GPU: the GPU counters null, gpu_counters "
                          "false)")
@@ -371,7 +375,8 @@ def generate(args) -> int:
 
 def serve(args) -> int:
   """Listen first (a busy --port fails before the model loads or anything compiles: 2), then
-  build the engine and serve it, warming up while it answers; a failed warm-up is 1."""
+  start the engine-core process and the front ends (`cg_jax.serving.launch`), answering while
+  the core warms up; a failed warm-up or the core's death is 1."""
   if server is None:
     print(f"error: `serve` needs the serve extra: pip install 'cg_jax[serve]' ({SERVER_MISSING})",
           file=sys.stderr)
@@ -383,19 +388,15 @@ def serve(args) -> int:
     print(f"error: --{error.param} {value}: {error}", file=sys.stderr)
     return 2
   try:
-    template = server.load_chat_template(args.model)
-    engine = Engine.from_pretrained(args.model, prompt_buckets=args.prompt_buckets,
-                                    max_waiting=args.max_waiting, **_engine_options(args))
-    app = server.create_app(engine, args.served_model_name or args.model,
-                            chat_template=template, request_timeout=args.request_timeout)
-    server.serve(app, host=args.host, sock=sock, graceful_timeout=args.graceful_timeout,
-                 log_level=args.log_level)
-  except server.WarmupFailed as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 1
+    server.load_chat_template(args.model)  # (a model that is not there fails here, at once)
+    return launch.serve_model(
+        args.model, sock=sock, served_model_name=args.served_model_name,
+        engine_options=dict(prompt_buckets=args.prompt_buckets, max_waiting=args.max_waiting,
+                            **_engine_options(args)),
+        api_servers=args.api_servers, request_timeout=args.request_timeout,
+        graceful_timeout=args.graceful_timeout, log_level=args.log_level)
   finally:
     sock.close()
-  return 0
 
 
 @_cli_warnings()

@@ -3,10 +3,10 @@ executables compiled ahead of time per (phase, bucket).
 
 Request path: validate on the host -> the scheduler's queue -> prompt chunks padded to their
 (batch, length) bucket, with the first token -> decode steps over the batch. Nothing on that
-path compiles once `warmup()` has run. The jobs live in their own modules: `cg_jax.config` (the
-configuration tree), `cg_jax.weights` (placement), `cg_jax.executables` (the executable table),
-`cg_jax.scheduler` (continuous batching), `cg_jax.generation` (results and their text),
-`cg_jax.kv_cache` (the cache's lifecycle), `cg_jax.sampling_params` (a request's sampling
+path compiles once `warmup()` has run. The jobs live in their own modules: `cg_jax.core.config` (the
+configuration tree), `cg_jax.core.weights` (placement), `cg_jax.core.executables` (the executable table),
+`cg_jax.core.scheduler` (continuous batching), `cg_jax.generation` (results and their text),
+`cg_jax.core.kv_cache` (the cache's lifecycle), `cg_jax.sampling_params` (a request's sampling
 parameters) and `cg_jax.validation` (prompts and requests).
 """
 
@@ -23,18 +23,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cg_jax import attention, compile_stats, text, validation
-from cg_jax.config import OPTION_NAMES, EngineConfig, on_gpu
-from cg_jax.executables import PREFIX_KINDS, SERVING_PHASES, ExecutableTable
+from cg_jax import text, validation
+from cg_jax.core import attention, compile_stats
+from cg_jax.core.config import OPTION_NAMES, EngineConfig, on_gpu
+from cg_jax.core.executables import PREFIX_KINDS, SERVING_PHASES, ExecutableTable
+from cg_jax.core.kv_cache import CacheHolder
+from cg_jax.core.sampling import TOP_LOGPROBS, unpack_scores
+from cg_jax.core.scheduler import Scheduler
+from cg_jax.core.sharding import TensorParallel
+from cg_jax.core.steps import StepFunctions
+from cg_jax.core.weights import canonical, place, random_weights
 from cg_jax.generation import GenerationResult, RowText, StreamChunk, final_text
+from cg_jax.handles import Group, Handle
 from cg_jax.hub import resolve_model
-from cg_jax.kv_cache import CacheHolder
-from cg_jax.sampling import TOP_LOGPROBS, unpack_scores
 from cg_jax.sampling_params import SamplingParams, check_logprobs
-from cg_jax.scheduler import Handle, Scheduler
-from cg_jax.sharding import TensorParallel
-from cg_jax.steps import StepFunctions
-from cg_jax.weights import canonical, place, random_weights
 from models import hf
 from models.config import PRESETS, DecoderConfig
 from models.decoder import cache_bytes
@@ -132,7 +134,7 @@ class Engine:
     else:
       inputs_at, cache_at = self._parallel.replicated(), self._parallel.cache()
     self.kv_cache = CacheHolder(lambda: self.executables.get(("cache",))(), cache_at)
-    # The prefix cache's block pool (`cg_jax.prefix_cache`), or None when it is off.
+    # The prefix cache's block pool (`cg_jax.core.prefix_cache`), or None when it is off.
     self.prefix_pool = (CacheHolder(lambda: self.executables.get(("pool",))(), cache_at)
                         if e.prefix_blocks else None)
     # Where request arrays go: the first device, or replicated over the tensor-parallel mesh.
@@ -217,7 +219,7 @@ class Engine:
                       prompt_lengths: Sequence[int] | None = None,
                       phases: Sequence[str] = SERVING_PHASES) -> list[tuple]:
     """Every (phase, bucket) executable the request path can use, optionally restricted
-    (`cg_jax.executables`)."""
+    (`cg_jax.core.executables`)."""
     return self.executables.keys(batch_sizes, prompt_lengths, phases)
 
   def warmup(self, *, batch_sizes: Sequence[int] | None = None,
@@ -231,7 +233,7 @@ class Engine:
     By default the executables that `generate`, `stream` and `submit` use: first prompt chunks
     per prompt bucket and batch bucket (up to 16 prompts), later chunks per prompt bucket, a
     greedy and a sampling decode step per batch bucket, the slot move, the prefix cache's block
-    copies and the cache (`executable_keys()` lists them); `phases=cg_jax.executables.PHASES`
+    copies and the cache (`executable_keys()` lists them); `phases=cg_jax.core.executables.PHASES`
     adds the log-probability and static-path ones. Narrow it to the buckets you will use
     (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start
     fast.
@@ -390,10 +392,10 @@ class Engine:
         `Completion`; their executables compile at warm-up with
         `phases=(*SERVING_PHASES, "logprobs")`, else on first use.
       timeout: seconds the request may take from now (None: no limit); past it the handle's
-        `result()` raises `cg_jax.scheduler.RequestTimeout`.
+        `result()` raises `cg_jax.handles.RequestTimeout`.
     Raises:
       ValueError / TypeError for a bad request (a `ParamError` for a bad sampling value;
-      nothing is queued); `cg_jax.scheduler.QueueFull` when `max_waiting` requests wait
+      nothing is queued); `cg_jax.handles.QueueFull` when `max_waiting` requests wait
       already.
     """
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
@@ -407,6 +409,17 @@ class Engine:
     request = self.validate([prompt], max_new_tokens, params=params, **sampling)
     return Handle(self._scheduler.submit(request, timeout), self.tokenizer, request.stop,
                   request.logprobs)
+
+  def enqueue(self, request: validation.Request, *, timeout: float | None = None,
+              group: Callable[[list[int], Callable[[], None]], Group] = Group,
+              on_delivered: Callable[[], None] | None = None) -> Group:
+    """Queue a request validated already, its tokens going to `group(prompt lengths,
+    on_cancel)`: how the engine-core process (`cg_jax.core.process`) runs its front ends'
+    requests. `on_delivered`, when given, is called on the engine thread once each step's tokens
+    and ends went to their groups (it replaces the one given before)."""
+    if on_delivered is not None:
+      self._scheduler.on_delivered = on_delivered
+    return self._scheduler.submit(request, timeout, group)
 
   def score(self, prompt, top: int = 0) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
     """The log-probability of each prompt token after the first given the tokens before it,
@@ -455,7 +468,7 @@ class Engine:
         self._scheduler.prefix.clear()
 
   def close(self) -> None:
-    """Finish: every queued or running request fails with `cg_jax.scheduler.EngineClosed`, and
+    """Finish: every queued or running request fails with `cg_jax.handles.EngineClosed`, and
     the engine thread stops. The engine takes no more requests."""
     self._scheduler.close()
 

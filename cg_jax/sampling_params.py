@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cg_jax.sampling import TOP_LOGPROBS
+from cg_jax.core.sampling import TOP_LOGPROBS
 from cg_jax.validation import (IgnoredSamplingWarning, SamplingSettings, caller_stacklevel, is_int,
                                is_real, reject_unknown)
 

@@ -2,7 +2,7 @@
 
 The model never picks a kernel. It calls three methods of the attention implementation it is
 given; `XlaAttention` here is the plain-jnp one (it runs everywhere and is the reference), and
-the runtime hands the model its own implementations (`cg_jax.attention`: Pallas kernels, tensor
+the runtime hands the model its own implementations (`cg_jax.core.attention`: Pallas kernels, tensor
 parallelism, padded rows) with the same methods:
 
   causal(q, k, v, lengths) -> out

@@ -5,7 +5,7 @@ about 15-20 arrays and the layer loop is a `lax.scan`. The KV cache is a separat
 (`KVCache`) passed in and returned, never module state, so a jitted step can donate it.
 
 Forward paths, all pure in (weights, cache, inputs), each handed its attention implementation
-(`models.attention`; the runtime's kernels in `cg_jax.attention`):
+(`models.attention`; the runtime's kernels in `cg_jax.core.attention`):
   logits(tokens):                       full-sequence logits, no cache.
   prefill(tokens, lengths, cache):      right-padded prompts; fills cache[:, :B, :S]; returns the
                                         logits of each row's last real token.
@@ -135,7 +135,7 @@ def projection(x, w, *, norm=None, norm_scale=None, norm_bias=None, eps=1e-5, bi
   """residual + act(norm(x) @ w + bias) (act(gate) * up when gated), x [R, I], as XLA ops.
 
   With `shards` > 1 a gated w's columns are shard-major, [gate_0 | up_0 | gate_1 | up_1 | ...]
-  (`cg_jax.sharding`); 1 is the plain [gate | up]."""
+  (`cg_jax.core.sharding`); 1 is the plain [gate | up]."""
   if norm is not None:
     x = _norm(x, norm_scale, norm_bias if norm == "layer" else None, eps)
   y = _matmul(x, w)

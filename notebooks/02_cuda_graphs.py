@@ -23,7 +23,7 @@ import jax
 import matplotlib.pyplot as plt
 
 from cg_jax import Engine, profile
-from cg_jax.graphs import GRAPH_MODES
+from cg_jax.core.graphs import GRAPH_MODES
 
 ROOT = next(p for p in (".", "..") if os.path.isdir(os.path.join(p, "benchmarks")))  # repo root
 for mode, options in GRAPH_MODES.items():

@@ -64,3 +64,61 @@ def get(port, path):
     return response.status, response.read()
   finally:
     conn.close()
+
+
+class ServeProcess:
+  """`python -m cg_jax serve ARGS --port 0` (the launcher, its engine-core process and front
+  ends) with its log read in a thread; `port` once /health answers 200 (with `ready`)."""
+
+  def __init__(self, *args: str, ready: bool = True, env: dict | None = None):
+    import os
+    import queue
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", CG_JAX_COMPILATION_CACHE="off", **(env or {}))
+    self.process = subprocess.Popen([sys.executable, "-m", "cg_jax", "serve", *args, "--port",
+                                     "0"], cwd=root, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+    self.lines: list[str] = []
+    ports: queue.Queue = queue.Queue()
+
+    def read():
+      for line in self.process.stdout:
+        self.lines.append(line)
+        if found := re.search(r"running on http://127\.0\.0\.1:(\d+)", line):
+          ports.put(int(found[1]))
+
+    self._reader = threading.Thread(target=read, name="test-serve-log", daemon=True)
+    self._reader.start()
+    try:
+      self.port = ports.get(timeout=180)
+      if ready:
+        wait_health(self.port, 200, timeout=300)
+    except BaseException:
+      self.close()
+      raise
+
+  @property
+  def log(self) -> str:
+    return "".join(self.lines)
+
+  def pids(self, pattern: str) -> list[int]:
+    """The pids the log names in lines matching `pattern` with a `(\\d+)` group."""
+    import re
+    return [int(m[1]) for line in list(self.lines) if (m := re.search(pattern, line))]
+
+  def close(self) -> None:
+    """Kill the launcher if it still runs (its core and front ends follow it) and join the
+    log reader."""
+    if self.process.poll() is None:
+      self.process.kill()
+      self.process.wait()
+    self._reader.join(timeout=30)
+
+  def __enter__(self) -> "ServeProcess":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

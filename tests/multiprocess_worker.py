@@ -6,7 +6,7 @@ import json
 import sys
 
 from cg_jax import Engine
-from cg_jax.sharding import initialize_processes
+from cg_jax.core.sharding import initialize_processes
 
 OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(16,),
                compilation_cache=False)

@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cg_jax import Engine, profile  # noqa: E402
-from cg_jax.sharding import AXIS  # noqa: E402
+from cg_jax.core.sharding import AXIS  # noqa: E402
 from models.config import PRESETS  # noqa: E402
 from models.decoder import init_cache  # noqa: E402
 

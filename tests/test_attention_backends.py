@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cg_jax import DecodeAttentionConfig, Engine, FlashAttentionConfig
-from cg_jax.attention import PallasAttention, RealRows
+from cg_jax.core.attention import PallasAttention, RealRows
 from models.attention import XlaAttention
 from tests.helpers import RELATIVE_TOLERANCE, assert_close_relative
 

@@ -15,7 +15,8 @@ import time
 import pytest
 import tqdm
 
-from cg_jax import Engine, cli, server
+from cg_jax import Engine, cli
+from cg_jax import serving as server
 from cg_jax.bench import rows, serve
 from tests import live_server
 

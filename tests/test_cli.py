@@ -16,7 +16,7 @@ from huggingface_hub import constants as hf_constants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cg_jax import Engine, EngineConfig, cli, hub, profile
-from cg_jax.config import on_gpu
+from cg_jax.core.config import on_gpu
 from cg_jax.validation import IgnoredSamplingWarning
 from models.config import PRESETS
 from tests.helpers import hf_llama_config, random_tensors, write_checkpoint
@@ -125,7 +125,7 @@ def test_model_name_from_local_hf_cache(tmp_path, checkpoint, monkeypatch):
 
 
 def test_persistent_cache_serves_the_second_start(tmp_path):
-  script = ("import json, sys; from cg_jax import Engine, compile_stats;"
+  script = ("import json, sys; from cg_jax import Engine; from cg_jax.core import compile_stats;"
             "e = Engine.from_pretrained('tiny-gpt2', batch_buckets=tuple(map(int, sys.argv[1:])),"
             " prompt_buckets=(8,));"
             "e.warmup(progress=False); s = e.stats();"
@@ -191,7 +191,8 @@ class _Built(Exception):
 
 
 def _stop_at_build(monkeypatch) -> list[dict]:
-  """Replace `Engine.from_pretrained` by one that records its arguments and raises `_Built`."""
+  """Replace `Engine.from_pretrained` (and `serve`'s launcher, which builds it in the engine-core
+  process) by one that records its arguments and raises `_Built`."""
   calls = []
 
   def from_pretrained(model, **options):
@@ -199,6 +200,9 @@ def _stop_at_build(monkeypatch) -> list[dict]:
     raise _Built
 
   monkeypatch.setattr(Engine, "from_pretrained", from_pretrained)
+  if cli.server is not None:
+    monkeypatch.setattr(cli.launch, "serve_model", lambda model, *, engine_options, **_:
+                        from_pretrained(model, **engine_options))
   return calls
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cg_jax.attention import RealRows
+from cg_jax.core.attention import RealRows
 from models import Decoder, init_cache
 from models.attention import XlaAttention
 from models.hf import config_from_hf
@@ -35,7 +35,7 @@ def _model(name, seed=0):
 
 def _padded_decode(model, rows: int, layer_loop: str):
   """A decode step whose layers run on the rows padded to `rows` (token 0 at position 0), the
-  attention over the real rows only (`cg_jax.attention.RealRows`), as the engine's steps do."""
+  attention over the real rows only (`cg_jax.core.attention.RealRows`), as the engine's steps do."""
 
   def decode(tokens, positions, cache):
     batch = tokens.shape[0]

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cg_jax import Buckets, Engine, EngineConfig, compile_stats
-from cg_jax.executables import SERVING_PHASES, ExecutableTable
-from cg_jax.sampling import SamplingArrays, filter_logits, select_tokens
+from cg_jax import Buckets, Engine, EngineConfig
+from cg_jax.core import compile_stats
+from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
+from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
 
 ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32))

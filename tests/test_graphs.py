@@ -5,7 +5,7 @@ import os
 import pytest
 
 from cg_jax import Engine, profile
-from cg_jax.graphs import GRAPH_MODES, compiler_options
+from cg_jax.core.graphs import GRAPH_MODES, compiler_options
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

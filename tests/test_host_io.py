@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from cg_jax import Engine, host_io
+from cg_jax import Engine
+from cg_jax.core import host_io
 
 OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2), prompt_buckets=(16,))
 

@@ -3,9 +3,9 @@ token), least-recently-used eviction (a prefix's later blocks first), counters."
 
 import pytest
 
-from cg_jax.config import EngineConfig
-from cg_jax import prefix_cache
-from cg_jax.prefix_cache import PrefixIndex, block_digests
+from cg_jax.core import prefix_cache
+from cg_jax.core.config import EngineConfig
+from cg_jax.core.prefix_cache import PrefixIndex, block_digests
 from models.config import PRESETS
 
 

@@ -7,8 +7,10 @@ import pickle
 import numpy as np
 import pytest
 
-from cg_jax import Engine, ParamError, SamplingParams, server
+from cg_jax import Engine, ParamError, SamplingParams
+from cg_jax import serving as server
 from cg_jax.sampling_params import ParamTypeError
+from cg_jax.serving.protocol import CompletionRequest
 from cg_jax.validation import IgnoredSamplingWarning
 
 NAN = float("nan")
@@ -170,7 +172,7 @@ def test_engine_errors_are_param_errors(engine):
 ])
 def test_the_server_names_the_openai_field(engine, request_, param, message):
   service = server.Service(engine, "m", None, None)
-  body = server.CompletionRequest(model="m", prompt=[5, 6], max_tokens=4, **request_)
+  body = CompletionRequest(model="m", prompt=[5, 6], max_tokens=4, **request_)
   with pytest.raises(server.ApiError) as error:
     service.completion_jobs(body)
   assert (error.value.status, error.value.param, error.value.message) == (400, param, message)
@@ -186,12 +188,12 @@ def test_the_server_maps_engine_param_errors_through_one_dict():
 
 def test_the_server_builds_params_for_its_jobs(engine):
   service = server.Service(engine, "m", None, None)
-  body = server.CompletionRequest(model="m", prompt=[5, 6], max_tokens=4, temperature=0.5,
+  body = CompletionRequest(model="m", prompt=[5, 6], max_tokens=4, temperature=0.5,
                                   top_k=-1, top_p=0.9, seed=3, ignore_eos=True)
   (job,) = service.completion_jobs(body)
   assert job.params == SamplingParams(max_new_tokens=4, do_sample=True, temperature=0.5, top_k=0,
                                       top_p=0.9, seed=3, eos_token_id=())
-  greedy = server.CompletionRequest(model="m", prompt=[5, 6], max_tokens=4, temperature=0,
+  greedy = CompletionRequest(model="m", prompt=[5, 6], max_tokens=4, temperature=0,
                                     top_k=5, top_p=0.9, seed=3)
   (job,) = service.completion_jobs(greedy)  # sampling fields go to the engine as off
   assert job.params == SamplingParams(max_new_tokens=4, temperature=0)

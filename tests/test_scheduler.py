@@ -10,9 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from cg_jax import Engine, compile_stats
-from cg_jax.executables import SERVING_PHASES
-from cg_jax.scheduler import EngineClosed, QueueFull, RequestTimeout
+from cg_jax import Engine
+from cg_jax.core import compile_stats
+from cg_jax.core.executables import SERVING_PHASES
+from cg_jax.handles import EngineClosed, QueueFull, RequestTimeout
 
 OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16))
 

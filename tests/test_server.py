@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (cg_jax.server) on the CPU with the bundled model: one live uvicorn
+"""The OpenAI-compatible server (cg_jax.serving) on the CPU with the bundled model: one live uvicorn
 server on 127.0.0.1 driven by the official `openai` client. Completions and chat equal the
 in-process `engine.generate` (text and token ids, streamed or not); log-probabilities (completions,
 `echo`, chat, streamed or not) equal a float64 log-softmax of `engine.logits`; 32 concurrent
@@ -29,10 +29,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cg_jax import Engine, cli, server
+from cg_jax import Engine, cli
+from cg_jax import serving as server
 from cg_jax.chat_template import ChatTemplate
 from cg_jax.hub import BUNDLED_DIR, DEFAULT_MODEL
-from tests.live_server import get as _get, serving as _serving, start as _start, stop as _stop
+from cg_jax.serving.protocol import TokenText
+from tests.live_server import get as _get
+from tests.live_server import serving as _serving
+from tests.live_server import start as _start
+from tests.live_server import stop as _stop
 from tests.live_server import wait_health as _wait_health
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -678,7 +683,7 @@ def test_chat_logprobs_equal_the_reference(client, engine):
   assert _close([e.logprob for e in bare.choices[0].logprobs.content],
                 [e.logprob for e in content])
   # "é" is two byte-level tokens, each one byte of its UTF-8 encoding, named U+FFFD.
-  names = server._TokenText(engine.tokenizer)
+  names = TokenText(engine.tokenizer)
   pieces = engine.tokenizer.encode("é", add_special_tokens=False).ids
   assert [names.bytes(t) for t in pieces] == [[0xC3], [0xA9]]
   assert [names.name(t) for t in pieces] == ["\ufffd", "\ufffd"]
@@ -889,8 +894,11 @@ def test_health_and_the_api_answer_503_while_warming_up(engine):
   assert not set(threading.enumerate()) - before
 
 
-def test_a_failed_warmup_keeps_health_failing_and_stops_serve(engine, checkpoint, monkeypatch,
-                                                               capsys):
+def _nine(*_, **__):
+  return [None] * 9
+
+
+def test_a_failed_warmup_keeps_health_failing_and_stops_serve(engine):
   """A warm-up that fails: /health stays 500 with the reason, the API answers 503
   ("warmup_failed"); `serve` stops by itself and raises `WarmupFailed`, and `python -m cg_jax
   serve` exits 1 with the reason in its log and its last line."""
@@ -900,7 +908,8 @@ def test_a_failed_warmup_keeps_health_failing_and_stops_serve(engine, checkpoint
     raise RuntimeError("out of device memory")
 
   app = server.create_app(engine, MODEL, close_engine=False)
-  app.state.service.warmup.engine = type("Failing", (), {"warmup": staticmethod(failing)})()
+  app.state.service.warmup.engine = type("Failing", (), {"warmup": staticmethod(failing),
+                                                           "executable_keys": staticmethod(_nine)})()
   with _serving(app, ready=False) as port:
     failed = {"status": "warm-up failed", "error": "RuntimeError: out of device memory"}
     assert _wait_health(port, 500, timeout=30) == failed
@@ -913,7 +922,8 @@ def test_a_failed_warmup_keeps_health_failing_and_stops_serve(engine, checkpoint
   assert not _warmup_threads()
 
   app = server.create_app(engine, MODEL, close_engine=False)
-  app.state.service.warmup.engine = type("Failing", (), {"warmup": staticmethod(failing)})()
+  app.state.service.warmup.engine = type("Failing", (), {"warmup": staticmethod(failing),
+                                                           "executable_keys": staticmethod(_nine)})()
   outcome = []
 
   def run():
@@ -930,33 +940,25 @@ def test_a_failed_warmup_keeps_health_failing_and_stops_serve(engine, checkpoint
   assert str(outcome[0]) == "the engine's warm-up failed: RuntimeError: out of device memory"
   assert not _warmup_threads()
 
-  monkeypatch.setattr(Engine, "warmup", lambda self, **options: failing(**options))
-  capsys.readouterr()
-  code = cli.main(["serve", "--model", str(checkpoint), "--port", "0", "--max-seq-len", "64",
-                    "--batch-buckets", "1", "--prompt-buckets", "16", "--log-level", "info"])
-  err = capsys.readouterr().err
-  assert code == 1, err
-  assert "warm-up failed after 2 of 9 executables" in err and "out of device memory" in err
-  assert err.splitlines()[-1] == ("error: the engine's warm-up failed: RuntimeError: out of "
-                                  "device memory")
+  # `python -m cg_jax serve`: an engine core whose start-up fails (a model too large for the
+  # memory: the engine's own check) stops the server; the exit status is 1.
+  command = [sys.executable, "-m", "cg_jax", "serve", "--model", "llama-3.1-8b", "--port", "0",
+             "--max-seq-len", "64", "--batch-buckets", "1", "--prompt-buckets", "16"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", CG_JAX_COMPILATION_CACHE="off")
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stderr
+  assert "warm-up failed after 0 of 0 executables" in done.stderr, done.stderr
+  assert "of device memory" in done.stderr.splitlines()[-1], done.stderr
   assert not _warmup_threads()
 
 
-# The CLI with every compile held until the warm-up is stopped (so SIGTERM comes while it runs),
-# and a progress line in the log every 0.2 s.
+# The CLI with a progress line in the log every 0.2 s (its warm-up in the engine-core process
+# takes seconds on the CPU: SIGTERM comes while it runs).
 HELD_WARMUP = """
-import sys, threading
-from cg_jax import cli, executables, server
-server.PROGRESS_EVERY = 0.2
-released = threading.Event()
-compile_, stop = executables.ExecutableTable._compile, server.Warmup.stop
-def held(self, key):
-  released.wait(120)
-  return compile_(self, key)
-def stop_and_release(self):
-  released.set()
-  stop(self)
-executables.ExecutableTable._compile, server.Warmup.stop = held, stop_and_release
+import sys
+from cg_jax import cli
+from cg_jax.serving import service
+service.PROGRESS_EVERY = 0.2
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -966,8 +968,8 @@ def test_sigterm_during_the_warmup_exits_cleanly():
   warm-up's progress in plain lines (no progress bar); /health is 503 meanwhile. SIGTERM then
   stops the warm-up (the compiles in flight finish) and the process exits 0."""
   command = [sys.executable, "-c", HELD_WARMUP, "serve", "--model", "tiny-llama",
-             "--max-seq-len", "64", "--batch-buckets", "1", "--prompt-buckets", "16",
-             "--port", "0"]
+             "--max-seq-len", "128", "--batch-buckets", "1,2,4,8,16",
+             "--prompt-buckets", "16,32,64", "--port", "0"]
   env = dict(os.environ, JAX_PLATFORMS="cpu", CG_JAX_COMPILATION_CACHE="off")
   process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)

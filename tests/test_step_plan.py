@@ -8,11 +8,10 @@ import subprocess
 import sys
 import types
 
-from cg_jax.buckets import Buckets
-from cg_jax.prefix_cache import PrefixIndex
-from cg_jax.step_plan import (ChunkPlan, CopyPlan, DecodePlan, MovePlan, PlanConfig, Planner,
-                              PrefillPlan)
-
+from cg_jax.core.buckets import Buckets
+from cg_jax.core.prefix_cache import PrefixIndex
+from cg_jax.core.step_plan import (ChunkPlan, CopyPlan, DecodePlan, MovePlan, PlanConfig, Planner,
+                                   PrefillPlan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +229,7 @@ def test_completing_rows_that_ask_for_logprobs_score_their_first_token():
 
 
 def test_the_planner_imports_no_jax():
-  path = pathlib.Path(__file__).parent.parent / "cg_jax" / "step_plan.py"
+  path = pathlib.Path(__file__).parent.parent / "cg_jax" / "core" / "step_plan.py"
   code = ("import importlib.util, sys\n"
           f"spec = importlib.util.spec_from_file_location('plan', {str(path)!r})\n"
           "module = sys.modules['plan'] = importlib.util.module_from_spec(spec)\n"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cg_jax import Engine
-from cg_jax.sharding import check_tensor_parallel, from_shard_major, to_shard_major
+from cg_jax.core.sharding import check_tensor_parallel, from_shard_major, to_shard_major
 from models.config import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,7 +2,7 @@
 
 A prompt is cut into blocks of G tokens; block i is named by a digest chained over blocks 0..i,
 so equal digests mean equal tokens from the prompt's start. The pool on the device holds N
-blocks ([L, N, G, K, H] per key and value; `cg_jax.steps` copies blocks between it and cache
+blocks ([L, N, G, K, H] per key and value; `cg_jax.core.steps` copies blocks between it and cache
 slots). This module is host-only bookkeeping:
 
   lookup(prompt) -> pool ids of its longest cached prefix (never its last token: the request

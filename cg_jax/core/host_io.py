@@ -4,7 +4,7 @@
   in one asynchronous copy (`stage`); a hop through pinned host memory first costs a
   page-locked allocation per array, far more than the copy (benchmarks/results/serving_h200.md).
 - Outputs the host reads are written to pinned host memory by the executables themselves
-  (`cg_jax.executables`); `AsyncReader` holds a step's outputs (starting a copy for any still on
+  (`cg_jax.core.executables`); `AsyncReader` holds a step's outputs (starting a copy for any still on
   the device) and reads them one or more steps later, so the host never waits for step N
   before launching step N+1.
 - Whole pytrees (a KV cache) can be swapped out to pinned host memory and back (`to_host`,

@@ -18,47 +18,35 @@ Requests wait in a bounded FIFO. The engine thread loops:
      Up to `readback_lag` steps are in flight; the batch changes only once none is.
 Tokens go to each caller's own buffer, so a slow or absent consumer never blocks the loop.
 
-The policy of steps 1-4 lives in `cg_jax.step_plan`: its `Planner` returns each phase's plan
+The policy of steps 1-4 lives in `cg_jax.core.step_plan`: its `Planner` returns each phase's plan
 (which requests, slots, blocks and executable key) from host state; the engine thread here runs
 the plans: it calls the executables, copies prefix blocks, reads tokens back and delivers them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
 import dataclasses
-import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from cg_jax import host_io, validation
-from cg_jax.config import EngineConfig
-from cg_jax.executables import PROMPT_BATCH, ExecutableTable
-from cg_jax.generation import RowText, final_text
-from cg_jax.kv_cache import CacheHolder
-from cg_jax.prefix_cache import PrefixIndex
-from cg_jax.sampling import SamplingArrays, unpack_scores
-from cg_jax.step_plan import (ChunkPlan, CopyPlan, DecodePlan, MovePlan, PlanConfig, Planner,
-                              PrefillPlan)
-
-
-class QueueFull(RuntimeError):
-  """The waiting queue holds `max_waiting` requests already."""
-
-
-class EngineClosed(RuntimeError):
-  """The engine was closed before the request finished."""
-
-
-class RequestTimeout(TimeoutError):
-  """The request ran past its `timeout`."""
+from cg_jax import validation
+from cg_jax.core import host_io
+from cg_jax.core.config import EngineConfig
+from cg_jax.core.executables import PROMPT_BATCH, ExecutableTable
+from cg_jax.core.kv_cache import CacheHolder
+from cg_jax.core.prefix_cache import PrefixIndex
+from cg_jax.core.sampling import SamplingArrays
+from cg_jax.core.step_plan import (ChunkPlan, CopyPlan, DecodePlan, MovePlan, PlanConfig, Planner,
+                                   PrefillPlan)
+from cg_jax.generation import RowText
+from cg_jax.handles import EngineClosed, Group, QueueFull, RequestTimeout
 
 
 @dataclasses.dataclass
@@ -81,238 +69,13 @@ class _Live:
   emitted: int = 0
   decoding: bool = False
   finished: bool = False
-  cancelled: bool = False
-  admitted_at: float | None = None
+
+  @property
+  def cancelled(self) -> bool:
+    return self.group.cancelled
 
   def expired(self, now: float) -> bool:
     return self.deadline is not None and now > self.deadline
-
-
-class Group:
-  """The tokens of one caller's requests (one `submit`, or the prompts of one `generate` or
-  `stream` call): each engine step that produced tokens for them is one event."""
-
-  def __init__(self, scheduler: "Scheduler", rows: int):
-    self._scheduler = scheduler
-    self._events: queue.SimpleQueue = queue.SimpleQueue()
-    self._done = threading.Event()
-    self.tokens: list[list[int]] = [[] for _ in range(rows)]
-    # Per row, with logprobs: each new token's `token_scores` row (float32 [E]).
-    self.scores: list[list[np.ndarray]] = [[] for _ in range(rows)]
-    self.finish_reasons: list[str | None] = [None] * rows
-    self.error: BaseException | None = None
-    self.lives: list[_Live] = []
-    self.submitted_at = time.perf_counter()
-    self.first_token_at: float | None = None  # the group's first token, any row
-    self.row_first_token_at: list[float | None] = [None] * rows  # each row's first token
-    self.finished_at: float | None = None
-    self._open = rows
-    self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-  # The engine thread's side.
-
-  def _emit(self, tokens: dict[int, int], scores: dict[int, np.ndarray]) -> None:
-    now = time.perf_counter()
-    if self.first_token_at is None:
-      self.first_token_at = now
-    for row, score in scores.items():
-      self.scores[row].append(score)
-    for row, token in tokens.items():
-      if not self.tokens[row]:
-        self.row_first_token_at[row] = now
-      self.tokens[row].append(token)
-    self._events.put(tokens)
-    self._notify()
-
-  def _finish(self, row: int, reason: str) -> None:
-    if self._done.is_set():
-      return
-    self.finish_reasons[row] = reason
-    self._open -= 1
-    if self._open == 0:
-      self._close()
-
-  def _fail(self, error: BaseException) -> None:
-    """End the group with `error`; its other requests are cancelled."""
-    if not self._done.is_set():
-      self.error = error
-      for live in self.lives:
-        live.cancelled = True
-      self._close()
-
-  def _close(self) -> None:
-    self.finished_at = time.perf_counter()
-    self._events.put(None)
-    self._done.set()
-    self._notify()
-
-  def _notify(self) -> None:
-    for loop, ready in self._watchers:
-      try:
-        loop.call_soon_threadsafe(ready.set)
-      except RuntimeError:  # the caller's event loop is closed: nobody listens
-        pass
-
-  # The caller's side.
-
-  @property
-  def done(self) -> bool:
-    return self._done.is_set()
-
-  def cancel(self) -> None:
-    """Stop the requests at the next step boundary; their slots are freed."""
-    if not self._done.is_set():
-      for live in self.lives:
-        live.cancelled = True
-      self._scheduler.wake()
-
-  def wait(self, timeout: float | None = None) -> None:
-    """Wait until every request finished; raises its error (or TimeoutError)."""
-    if not self._done.wait(timeout):
-      raise TimeoutError(f"the request did not finish within {timeout} s")
-    if self.error is not None:
-      raise self.error
-
-  async def async_events(self) -> AsyncIterator[dict[int, int]]:
-    """`events()` for asyncio code: the engine thread wakes the caller's loop, no thread
-    waits."""
-    ready = asyncio.Event()
-    self._watchers.append((asyncio.get_running_loop(), ready))
-    while True:
-      try:
-        event = self._events.get_nowait()
-      except queue.Empty:
-        ready.clear()
-        if self._events.empty():  # (checked after the clear: no wake-up is lost)
-          await ready.wait()
-        continue
-      if event is None:
-        if self.error is not None:
-          raise self.error
-        return
-      yield event
-
-  def events(self, timeout: float | None = None) -> Iterator[dict[int, int]]:
-    """{row: token} per engine step, until every request finished (then raises its error)."""
-    while True:
-      try:
-        event = self._events.get(timeout=timeout)
-      except queue.Empty:
-        raise TimeoutError(f"no token within {timeout} s") from None
-      if event is None:
-        if self.error is not None:
-          raise self.error
-        return
-      yield event
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-  """One new token of a request, and its text delta (with a tokenizer); with `logprobs`, its
-  log-probability and its most likely alternatives ((token, log-probability) pairs). A last
-  delta with token -1 may carry text held back until the end."""
-
-  token: int
-  text: str | None = None
-  logprob: float | None = None
-  top_logprobs: tuple[tuple[int, float], ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-  """A finished request: its new tokens, text (with a tokenizer), why it ended ("stop": EOS or
-  a stop string, "length": its budget) and its timings; with `logprobs`, per token its
-  log-probability and most likely alternatives."""
-
-  tokens: list[int]
-  text: str | None
-  finish_reason: str
-  stats: dict[str, Any]
-  logprobs: list[float] | None = None
-  top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
-
-
-class Handle:
-  """A submitted request. `result()` waits for it; iterating it (or `async for`) streams its
-  tokens as `Delta`s; `cancel()` (or dropping the handle) frees its slot at the next step."""
-
-  def __init__(self, group: Group, tokenizer, stop: tuple[str, ...], logprobs: int | None = None):
-    self._group, self._tokenizer, self._stop, self._top = group, tokenizer, stop, logprobs
-
-  @property
-  def done(self) -> bool:
-    return self._group.done
-
-  def cancel(self) -> None:
-    self._group.cancel()
-
-  close = cancel
-
-  def __del__(self):
-    group = getattr(self, "_group", None)
-    if group is not None and not group.done:
-      group.cancel()
-
-  def __enter__(self) -> "Handle":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.cancel()
-
-  def result(self, timeout: float | None = None) -> Completion:
-    """The finished request (waits up to `timeout` seconds; TimeoutError past it)."""
-    group = self._group
-    group.wait(timeout)
-    tokens = group.tokens[0]
-    shown = None if self._tokenizer is None else final_text(self._tokenizer, tokens, self._stop)
-    logprobs = top_logprobs = None
-    if self._top is not None:
-      unpacked = [unpack_scores(score, self._top) for score in group.scores[0]]
-      logprobs, top_logprobs = [u[0] for u in unpacked], [u[1] for u in unpacked]
-    return Completion(tokens=list(tokens), text=shown, finish_reason=group.finish_reasons[0],
-                      stats=request_stats(group, group.lives[0]), logprobs=logprobs,
-                      top_logprobs=top_logprobs)
-
-  @property
-  def prompt_tokens(self) -> int:
-    """The prompt's length in tokens."""
-    return len(self._group.lives[0].prompt)
-
-  def __iter__(self) -> Iterator[Delta]:
-    row = None if self._tokenizer is None else RowText(self._tokenizer, self._stop)
-    for index, event in enumerate(self._group.events()):
-      yield self._delta(row, event[0], index)
-    if row is not None and (rest := row.finish()):
-      yield Delta(-1, rest)
-
-  async def __aiter__(self) -> AsyncIterator[Delta]:
-    row = None if self._tokenizer is None else RowText(self._tokenizer, self._stop)
-    index = 0
-    async for event in self._group.async_events():
-      yield self._delta(row, event[0], index)
-      index += 1
-    if row is not None and (rest := row.finish()):
-      yield Delta(-1, rest)
-
-  def _delta(self, row: RowText | None, token: int, index: int) -> Delta:
-    shown = None if row is None else row.push(token)
-    if self._top is None:
-      return Delta(token, shown)
-    logprob, top = unpack_scores(self._group.scores[0][index], self._top)
-    return Delta(token, shown, logprob, top)
-
-
-def request_stats(group: Group, live: _Live) -> dict[str, Any]:
-  """Per-request timings in seconds: queue (submit to slot), ttft, per output token, total."""
-  tokens = len(group.tokens[live.row])
-  first, end = group.first_token_at, group.finished_at
-  return {
-      "queue_s": None if live.admitted_at is None else live.admitted_at - group.submitted_at,
-      "ttft_s": None if first is None else first - group.submitted_at,
-      "per_token_s": None if first is None or end is None else (end - first) / max(tokens - 1, 1),
-      "total_s": None if end is None else end - group.submitted_at,
-      "new_tokens": tokens,
-  }
 
 
 class Scheduler:
@@ -332,7 +95,7 @@ class Scheduler:
     self.inputs_at, self.tokenizer, self.lock = inputs_at, tokenizer, lock
     self.pool = pool
     self.prefix = None if pool is None else PrefixIndex(config.prefix_blocks, config.prefix_block)
-    # The policy (`cg_jax.step_plan`): what each phase of an iteration runs.
+    # The policy (`cg_jax.core.step_plan`): what each phase of an iteration runs.
     self.planner = Planner(PlanConfig.of(config, table, PROMPT_BATCH), self.prefix)
     self._wakeup = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
@@ -344,28 +107,34 @@ class Scheduler:
     self._closed = False
     self._resume = True  # False while a swapped-out cache should stay out
     self.counters = collections.Counter()
+    # Called on the engine thread after each batch of tokens and ends went to their groups (once
+    # per step), or None: how the engine-core process sends a step's outputs in one message.
+    self.on_delivered: Callable[[], None] | None = None
     self._started = time.perf_counter()
 
   # ------------------------------------------------------------------------------------------------
   # Callers
 
-  def submit(self, request: validation.Request, timeout: float | None = None) -> Group:
-    """Queue a validated request's prompts; returns their group."""
-    group = Group(self, len(request.rows))
+  def submit(self, request: validation.Request, timeout: float | None = None,
+             group: Callable[[list[int], Callable[[], None]], Group] = Group) -> Group:
+    """Queue a validated request's prompts; returns their group, made by `group(prompt lengths,
+    on_cancel)` (the engine-core process passes a group that sends its tokens on)."""
+    group = group([len(prompt) for prompt in request.rows], self.wake)
+    lives = []
     deadline = None if timeout is None else time.perf_counter() + timeout
     for row, prompt in enumerate(request.rows):
       follow = RowText(self.tokenizer, request.stop) if request.stop else None
-      group.lives.append(_Live(group, row, prompt, request.max_new_tokens, request.settings,
+      lives.append(_Live(group, row, prompt, request.max_new_tokens, request.settings,
                                follow, deadline, request.logprobs))
     with self._wakeup:
       if self._closed:
         raise EngineClosed("the engine is closed")
-      if len(self._waiting) + len(group.lives) > self.config.max_waiting:
+      if len(self._waiting) + len(lives) > self.config.max_waiting:
         raise QueueFull(f"the waiting queue is full ({len(self._waiting)} requests waiting, "
                         f"max_waiting={self.config.max_waiting}); retry later")
-      self._waiting.extend(group.lives)
+      self._waiting.extend(lives)
       self._resume = True  # a new request brings a swapped-out cache back
-      self.counters["submitted"] += len(group.lives)
+      self.counters["submitted"] += len(lives)
       if self._thread is None:
         self._thread = threading.Thread(target=self._run, name="cg_jax-engine", daemon=True)
         self._thread.start()
@@ -454,6 +223,11 @@ class Scheduler:
     for live in lives:
       live.finished = True
       live.group._fail(error)
+    self._delivered()
+
+  def _delivered(self) -> None:
+    if self.on_delivered is not None:
+      self.on_delivered()
 
   def _iteration(self) -> None:
     now = time.perf_counter()
@@ -473,6 +247,7 @@ class Scheduler:
     if self._unsaved:  # after the decode step is on its way: the hashing overlaps it
       self._run_copies(self.planner.saves(self._unsaved))
       self._unsaved = []
+    self._delivered()  # (the ends of cancelled and timed-out requests)
 
   def _drain(self) -> None:
     while len(self._reader):
@@ -513,7 +288,8 @@ class Scheduler:
     with self._wakeup:
       for slot in self.planner.admit(len(self._waiting), len(self._slots)):
         live = self._waiting.popleft()
-        live.slot, live.admitted_at = slot, time.perf_counter()
+        live.slot = slot
+        live.group.admitted_at[live.row] = time.perf_counter()
         self._slots.append(live)
         self._inputs = None
 
@@ -618,6 +394,7 @@ class Scheduler:
         live.group._fail(reason)
       else:
         self._end(live, reason)
+    self._delivered()
 
   def _end(self, live: _Live, reason: str) -> None:
     if not live.finished:

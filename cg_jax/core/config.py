@@ -21,11 +21,11 @@ from typing import Any
 
 import jax
 
-from cg_jax import graphs as graph_modes
-from cg_jax.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
+from cg_jax.core import graphs as graph_modes
+from cg_jax.core.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
+from cg_jax.core.sharding import check_tensor_parallel
 from cg_jax.kernels.decode_attention import DecodeAttentionConfig
 from cg_jax.kernels.flash_attention import FlashAttentionConfig
-from cg_jax.sharding import check_tensor_parallel
 from models.config import DecoderConfig
 from models.decoder import LAYER_LOOPS
 
@@ -150,13 +150,13 @@ class EngineConfig:
   max_seq_len: KV-cache length T per row (prompt + generated tokens).
   buckets: batch and prompt-length buckets; the cache holds `buckets.max_batch` rows.
   forward: how the forward paths run (`ForwardConfig`).
-  graphs: CUDA-graph mode (`cg_jax.graphs.GRAPH_MODES`).
+  graphs: CUDA-graph mode (`cg_jax.core.graphs.GRAPH_MODES`).
   prefill_gemm: the GEMM backend of the prompt executables (`PREFILL_GEMMS`).
   readback_lag: decode steps launched ahead of the one whose tokens the host reads (0: each
     step is read synchronously).
-  tensor_parallel: devices the model is split over (`cg_jax.sharding`).
+  tensor_parallel: devices the model is split over (`cg_jax.core.sharding`).
   max_waiting: requests the scheduler's waiting queue holds; more is a `QueueFull` error.
-  prefix_cache_tokens: the prefix cache's pool size in tokens (`cg_jax.prefix_cache`): prompts
+  prefix_cache_tokens: the prefix cache's pool size in tokens (`cg_jax.core.prefix_cache`): prompts
     that start with cached blocks reuse their keys and values; 0 turns it off (the field's
     default; `create` turns it on).
   prefix_block: tokens per prefix-cache block (a prefix is reused in whole blocks).

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cg_jax.sharding import TensorParallel, from_shard_major, to_shard_major
+from cg_jax.core.sharding import TensorParallel, from_shard_major, to_shard_major
 from models.config import DecoderConfig
 from models.decoder import Decoder
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import jax
 
-from cg_jax import host_io
+from cg_jax.core import host_io
 from models.decoder import KVCache
 
 

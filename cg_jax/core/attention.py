@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from cg_jax.config import ForwardConfig
+from cg_jax.core.config import ForwardConfig
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_with_write)
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention

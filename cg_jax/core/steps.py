@@ -1,5 +1,5 @@
 """The hot path: pure functions over a flat list of weight arrays and a donated KV cache, compiled
-ahead of time per bucket (`cg_jax.executables`):
+ahead of time per bucket (`cg_jax.core.executables`):
 
   prefill(weights, cache, tokens[B,S], lengths[B])                 -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
@@ -17,9 +17,9 @@ ahead of time per bucket (`cg_jax.executables`):
   save(pool, cache, slots[P], blocks[P], targets[P])               -> pool
 
 `pool` is the prefix cache's block pool, a KVCache of [L, N, G, K, H] arrays (N blocks of G
-tokens; `cg_jax.prefix_cache` keeps its index); load and save copy P (slot, block) pairs.
+tokens; `cg_jax.core.prefix_cache` keeps its index); load and save copy P (slot, block) pairs.
 
-`scores` are `cg_jax.sampling.token_scores` of the new tokens (E = 1 + 2 x top log-probabilities),
+`scores` are `cg_jax.core.sampling.token_scores` of the new tokens (E = 1 + 2 x top log-probabilities),
 computed only for requests that ask for log-probabilities: by `decode_scored` instead of `decode`,
 and by `token_logprobs` from the logits the prompt executables return. A negative position marks
 an idle row of a decode step (a cache slot not decoding): it writes
@@ -39,10 +39,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cg_jax.attention import AtRows, RealRows
-from cg_jax.config import ForwardConfig
-from cg_jax.sampling import SamplingArrays, select_tokens, token_scores
-from cg_jax.weights import SplitModel
+from cg_jax.core.attention import AtRows, RealRows
+from cg_jax.core.config import ForwardConfig
+from cg_jax.core.sampling import SamplingArrays, select_tokens, token_scores
+from cg_jax.core.weights import SplitModel
 from models.decoder import KVCache
 
 
@@ -53,7 +53,7 @@ class StepFunctions:
   Args:
     split: the split model; its graphdef/treedef are baked into the traces.
     forward: how the forward paths run.
-    attention: the attention implementation handed to the model (`cg_jax.attention`).
+    attention: the attention implementation handed to the model (`cg_jax.core.attention`).
     shards: the weights' column groups (the tensor-parallel size).
   """
 

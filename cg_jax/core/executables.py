@@ -18,7 +18,7 @@ Keys (plain tuples, as `keys()` lists them):
                                   draw of a prompt call with a sampling row (batch: the batch
                                   buckets up to PROMPT_BATCH); with True, the static path's
 
-`greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.scheduler`)
+`greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.core.scheduler`)
 uses the serving phases (`SERVING_PHASES`: prompts, chunk, decode, move and, with the prefix
 cache on, "prefix": pool, load, save) and, for requests with log-probabilities, "logprobs"
 (logprobs, token_logprobs, score: compiled on first use unless warmed up); the static
@@ -58,12 +58,11 @@ from jax.sharding import SingleDeviceSharding
 from tqdm.auto import tqdm
 
 import models
-
-from cg_jax import compile_stats, host_io
-from cg_jax.config import EngineConfig
-from cg_jax.sampling import SamplingArrays
-from cg_jax.sharding import TensorParallel
-from cg_jax.steps import StepFunctions
+from cg_jax.core import compile_stats, host_io
+from cg_jax.core.config import EngineConfig
+from cg_jax.core.sampling import SamplingArrays
+from cg_jax.core.sharding import TensorParallel
+from cg_jax.core.steps import StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 

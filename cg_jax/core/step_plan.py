@@ -1,6 +1,6 @@
 """The scheduler's policy as plans: what one engine iteration runs, decided on the host only.
 
-The engine thread (`cg_jax.scheduler`) asks a `Planner` for each phase of an iteration, right
+The engine thread (`cg_jax.core.scheduler`) asks a `Planner` for each phase of an iteration, right
 before it runs it, and executes the plan: a phase's plan depends on the tokens the phase before
 it read back (a first token may be EOS, a readback may finish a request), so an iteration is a
 sequence of plans, not one:
@@ -189,7 +189,7 @@ class Planner:
 
   Args:
     config: the buckets and limits.
-    prefix: the prefix cache's index (`cg_jax.prefix_cache.PrefixIndex`), or None when off.
+    prefix: the prefix cache's index (`cg_jax.core.prefix_cache.PrefixIndex`), or None when off.
   """
 
   def __init__(self, config: PlanConfig, prefix=None):

@@ -1,0 +1,163 @@
+"""`python -m cg_jax serve` as users run it: an engine-core process and front ends
+(`cg_jax.serving.launch`), driven by the official `openai` client on 127.0.0.1. Its answers
+equal the in-process engine's; the faults of a process (the core killed, one of two front ends
+killed, a client that hangs up) leave the rest served or fail fast and loudly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import openai
+import pytest
+
+from cg_jax import Engine
+from cg_jax.hub import BUNDLED_DIR, DEFAULT_MODEL
+from tests.live_server import ServeProcess, get
+
+CHECKPOINT = os.path.join(BUNDLED_DIR, DEFAULT_MODEL)
+SMALL = ("--max-seq-len", "128", "--batch-buckets", "1,2,4", "--prompt-buckets", "16")
+PROMPTS = ["In the beginning", "And God said", "The LORD is my shepherd"]
+TIMEOUT = 60
+
+
+def _client(port: int) -> openai.OpenAI:
+  return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                       timeout=TIMEOUT)
+
+
+def _stream_ids(client: openai.OpenAI, model: str, prompt, max_tokens: int) -> list[list[int]]:
+  """The token ids of each chunk of a streamed, greedy completion."""
+  chunks = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0, stream=True,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+  return [ids for chunk in chunks if (ids := chunk.choices[0].model_extra.get("token_ids"))]
+
+
+@pytest.fixture(scope="module")
+def engine():
+  engine = Engine.from_pretrained(CHECKPOINT, max_seq_len=128, batch_buckets=(1, 2, 4),
+                                  prompt_buckets=(16,))
+  yield engine
+  engine.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+  """The bundled model behind two front ends."""
+  with ServeProcess("--model", CHECKPOINT, "--served-model-name", "kjv", "--api-servers", "2",
+                    *SMALL) as serving:
+    yield serving
+
+
+def test_answers_equal_the_in_process_engine(served, engine):
+  """Greedy, seeded sampling, stop strings and log-probabilities through the core process equal
+  `Engine.generate` / `submit` in this process."""
+  client = _client(served.port)
+  for prompt in PROMPTS:
+    want = engine.generate([prompt], 12)
+    got = client.completions.create(model="kjv", prompt=prompt, max_tokens=12, temperature=0)
+    assert got.choices[0].text == want.texts[0]
+    sampled = engine.generate([prompt], 12, do_sample=True, temperature=0.8, top_k=20, seed=7)
+    got = client.completions.create(model="kjv", prompt=prompt, max_tokens=12, temperature=0.8,
+                                    seed=7, extra_body={"top_k": 20})
+    assert got.choices[0].text == sampled.texts[0]
+  stop = engine.submit(PROMPTS[0], 40, stop=["LORD"]).result()
+  got = client.completions.create(model="kjv", prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                  stop=["LORD"])
+  assert (got.choices[0].text, got.choices[0].finish_reason) == (stop.text, "stop")
+  scored = engine.submit(PROMPTS[1], 6, logprobs=2).result()
+  got = client.completions.create(model="kjv", prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                  logprobs=2)
+  assert got.choices[0].logprobs.token_logprobs == pytest.approx(scored.logprobs, abs=1e-5)
+
+
+def test_streams_and_many_at_once(served, engine):
+  """A stream's chunks hold the engine's tokens; 24 streams at once over both front ends are
+  all answered and each equals its prompt's tokens."""
+  client = _client(served.port)
+  want = engine.generate([[5, 6, 7]], 40, eos_token_id=[])[0]
+  chunks = _stream_ids(client, "kjv", [5, 6, 7], 40)
+  assert sum(chunks, []) == want
+  import concurrent.futures
+  with concurrent.futures.ThreadPoolExecutor(24) as pool:
+    results = list(pool.map(lambda i: sum(_stream_ids(client, "kjv", [5, 6, 7 + i % 3], 20), []),
+                            range(24)))
+  for i, ids in enumerate(results):
+    assert ids == engine.generate([[5, 6, 7 + i % 3]], 20, eos_token_id=[])[0]
+
+
+def test_a_client_that_hangs_up_is_cancelled_in_the_core(served):
+  client = _client(served.port)
+  body = {"model": "kjv", "prompt": [1, 2, 3], "max_tokens": 120, "temperature": 0,
+          "ignore_eos": True, "stream": True}
+  data = json.dumps(body).encode()
+  with socket.create_connection(("127.0.0.1", served.port), timeout=TIMEOUT) as sock:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    received = b""
+    while b"data: " not in received:
+      more = sock.recv(65536)
+      assert more, received
+      received += more
+  deadline = time.monotonic() + 10
+  while True:  # the core's stats, as each front end's /metrics shows them
+    status, metrics = get(served.port, "/metrics")
+    if status == 200 and b"\ncg_jax_requests_running 0.0\n" in metrics:
+      break
+    assert time.monotonic() < deadline, metrics.decode()
+    time.sleep(0.1)
+  assert client.completions.create(model="kjv", prompt=[1, 2], max_tokens=2).choices[0].text
+
+
+def test_a_model_without_a_tokenizer_streams_per_step():
+  """A preset (random weights, no tokenizer): the stream's chunks come as the steps do, not as one
+  at the end (a step can outrun the stream, which then coalesces steps: so not one per token)."""
+  with ServeProcess("--model", "tiny-llama", "--max-seq-len", "512", "--batch-buckets", "1",
+                    "--prompt-buckets", "16") as serving:
+    chunks = _stream_ids(_client(serving.port), "tiny-llama", [1, 2, 3], 500)
+  assert sum(len(c) for c in chunks) == 500
+  assert len(chunks) >= 10, [len(c) for c in chunks]
+
+
+def test_the_core_killed_fails_requests_fast_and_stops_serve():
+  """SIGKILL on the engine-core process: the request in flight fails with a 5xx within 2 s,
+  /health fails, and `serve` exits non-zero saying why."""
+  with ServeProcess("--model", "tiny-llama", "--max-seq-len", "512", "--batch-buckets", "1",
+                    "--prompt-buckets", "16") as serving:
+    core = serving.pids(r"engine core process started \(pid (\d+)\)")[0]
+    client = _client(serving.port)
+    stream = client.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=500,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    killed = time.monotonic()
+    os.kill(core, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="died"):
+      for _ in stream:
+        pass
+    assert time.monotonic() - killed < 2.0
+    status, body = get(serving.port, "/health")
+    assert status == 503 and b"died" in body
+    assert serving.process.wait(timeout=30) == 1
+  assert "exited with code -9 (SIGKILL)" in serving.log, serving.log
+
+
+def test_one_front_end_killed_the_other_serves(served, engine):
+  """Two front ends: one SIGKILLed, the other answers every request after it."""
+  fronts = served.pids(r"Started server process \[(\d+)\]")
+  assert len(fronts) == 2, served.log
+  os.kill(fronts[0], signal.SIGKILL)
+  deadline = time.monotonic() + 10
+  while "front end" not in served.log:
+    assert time.monotonic() < deadline, served.log
+    time.sleep(0.05)
+  client = _client(served.port)
+  want = engine.generate([PROMPTS[2]], 8).texts[0]
+  for _ in range(8):
+    got = client.completions.create(model="kjv", prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    assert got.choices[0].text == want
+  assert served.process.poll() is None
