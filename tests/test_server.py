@@ -29,7 +29,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cg_jax import Engine, cli
+from cg_jax import Engine
 from cg_jax import serving as server
 from cg_jax.chat_template import ChatTemplate
 from cg_jax.hub import BUNDLED_DIR, DEFAULT_MODEL
