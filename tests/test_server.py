@@ -849,7 +849,8 @@ def test_health_and_the_api_answer_503_while_warming_up(engine):
 
   app = server.create_app(engine, MODEL, close_engine=False)
   warm = app.state.service.warmup
-  warm.engine = type("Held", (), {"warmup": staticmethod(held)})()
+  warm.engine = type("Held", (), {"warmup": staticmethod(held),
+                                  "executable_keys": staticmethod(_nine)})()
   client = None
   with _serving(app, ready=False) as port:
     try:
