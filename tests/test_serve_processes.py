@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import openai
@@ -115,11 +116,29 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_core(served):
 
 def test_a_model_without_a_tokenizer_streams_per_step():
   """A preset (random weights, no tokenizer): the stream's chunks come as the steps do, not as one
-  at the end (a step can outrun the stream, which then coalesces steps: so not one per token)."""
+  at the end. The core is paused every few milliseconds (SIGSTOP / SIGCONT), as a larger model's
+  steps would pace it, so that the stream keeps up instead of coalescing steps."""
   with ServeProcess("--model", "tiny-llama", "--max-seq-len", "512", "--batch-buckets", "1",
                     "--prompt-buckets", "16") as serving:
-    chunks = _stream_ids(_client(serving.port), "tiny-llama", [1, 2, 3], 500)
-  assert sum(len(c) for c in chunks) == 500
+    core = serving.pids(r"engine core process started \(pid (\d+)\)")[0]
+    done = threading.Event()
+
+    def pace():
+      while not done.is_set():
+        os.kill(core, signal.SIGSTOP)
+        time.sleep(0.02)
+        os.kill(core, signal.SIGCONT)
+        time.sleep(0.002)
+
+    pacer = threading.Thread(target=pace)
+    pacer.start()
+    try:
+      chunks = _stream_ids(_client(serving.port), "tiny-llama", [1, 2, 3], 200)
+    finally:
+      done.set()
+      pacer.join()
+      os.kill(core, signal.SIGCONT)
+  assert sum(len(c) for c in chunks) == 200
   assert len(chunks) >= 10, [len(c) for c in chunks]
 
 
@@ -130,10 +149,11 @@ def test_the_core_killed_fails_requests_fast_and_stops_serve():
                     "--prompt-buckets", "16") as serving:
     core = serving.pids(r"engine core process started \(pid (\d+)\)")[0]
     client = _client(serving.port)
+    os.kill(core, signal.SIGSTOP)  # (so that the request is still in flight when the core dies)
     stream = client.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=500,
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
-    next(iter(stream))
+    time.sleep(0.3)
     killed = time.monotonic()
     os.kill(core, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="died"):
