@@ -309,14 +309,10 @@ class Engine:
     the ValueError / TypeError that `generate` would (a bad sampling value: a `ParamError`
     naming it)."""
     params = _params(params, max_new_tokens, sampling)
-    rows = validation.prompts(self._encode(inputs), self.model_config.vocab_size)
-    # Prompts are prefilled in chunks, up to the cache.
-    validation.lengths(rows, max_prompt_len=self.config.max_seq_len - 1,
-                       max_seq_len=self.config.max_seq_len, max_new_tokens=params.max_new_tokens)
-    settings, stops, top = params.settings(
-        vocab_size=self.model_config.vocab_size, default_eos=self.model_config.eos_token_id,
-        has_tokenizer=self.tokenizer is not None)
-    return validation.Request(rows, params.max_new_tokens, settings, stops, logprobs=top)
+    return validation.request(
+        self._encode(inputs), params,
+        vocab_size=self.model_config.vocab_size, max_seq_len=self.config.max_seq_len,
+        default_eos=self.model_config.eos_token_id, has_tokenizer=self.tokenizer is not None)
 
   def generate(self, inputs, max_new_tokens: int | None = None, *,
                params: SamplingParams | None = None, **sampling) -> GenerationResult:
@@ -411,15 +407,16 @@ class Engine:
                   request.logprobs)
 
   def enqueue(self, request: validation.Request, *, timeout: float | None = None,
-              group: Callable[[list[int], Callable[[], None]], Group] = Group,
-              on_delivered: Callable[[], None] | None = None) -> Group:
+              group: Callable[[list[int], Callable[[], None]], Group] = Group) -> Group:
     """Queue a request validated already, its tokens going to `group(prompt lengths,
     on_cancel)`: how the engine-core process (`cg_jax.core.process`) runs its front ends'
-    requests. `on_delivered`, when given, is called on the engine thread once each step's tokens
-    and ends went to their groups (it replaces the one given before)."""
-    if on_delivered is not None:
-      self._scheduler.on_delivered = on_delivered
+    requests."""
     return self._scheduler.submit(request, timeout, group)
+
+  def on_step(self, callback: Callable[[], None] | None) -> None:
+    """`callback` (or None) is called on the engine thread once each step's tokens and ends
+    went to their groups: how the engine-core process sends a step's outputs in one message."""
+    self._scheduler.on_delivered = callback
 
   def score(self, prompt, top: int = 0) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
     """The log-probability of each prompt token after the first given the tokens before it,

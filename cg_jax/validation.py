@@ -12,7 +12,7 @@ import dataclasses
 import numbers
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -175,3 +175,18 @@ class Request:
   stop: tuple[str, ...] = ()
   stats: dict[str, Any] = dataclasses.field(default_factory=dict)
   logprobs: int | None = None  # top alternatives per new token (0: the chosen one's only)
+
+
+def request(inputs, params, *, vocab_size: int, max_seq_len: int, default_eos: Sequence[int],
+            has_tokenizer: bool) -> Request:
+  """Every check of one request on the host, in one place (`Engine.validate` and the serving
+  front end's client of the engine core both use it): token-id prompts (`inputs`, as
+  `prompts`), their lengths against the cache, and the `SamplingParams` `params` against the
+  model (`params.settings`)."""
+  rows = prompts(inputs, vocab_size)
+  # Prompts are prefilled in chunks, up to the cache.
+  lengths(rows, max_prompt_len=max_seq_len - 1, max_seq_len=max_seq_len,
+          max_new_tokens=params.max_new_tokens)
+  settings, stops, top = params.settings(vocab_size=vocab_size, default_eos=default_eos,
+                                         has_tokenizer=has_tokenizer)
+  return Request(rows, params.max_new_tokens, settings, stops, logprobs=top)

@@ -2,7 +2,7 @@
 bundled model on the CPU: all requests at once and Poisson arrivals with a concurrency cap give
 positive figures, every request's `ignore_eos` output counted in full (from the streamed token
 ids and the usage chunk alike), TTFT <= end-to-end, no errors, the cap and the arrival times
-kept; the prompts are seeded; a wrong model name fails every request, reported with the
+kept, also from two client processes sharing the cap; the prompts are seeded; a wrong model name fails every request, reported with the
 server's 404 and message; bad options name their flag; `python -m cg_jax bench serve` writes
 and prints the row, or `error: ...`; the server stops with no thread left."""
 
@@ -23,7 +23,7 @@ from tests import live_server
 MODEL = "kjv-serve-bench"
 NUM_REQUESTS, OUTPUT_LEN = 8, 12
 WORKLOAD = ["--num-requests", str(NUM_REQUESTS), "--prompt-len", "8:24", "--output-len",
-            str(OUTPUT_LEN), "--request-timeout", "60"]
+            str(OUTPUT_LEN), "--request-timeout", "60", "--clients", "1"]
 
 
 def _args(port: int | None, *extra: str) -> argparse.Namespace:
@@ -90,7 +90,7 @@ def test_all_at_once(port):
   assert row.device == "remote"
   assert row.workload == {"kind": "serve", "num_requests": NUM_REQUESTS, "prompt_len": "8:24",
                           "output_len": OUTPUT_LEN, "rate": "inf", "max_concurrency": None,
-                          "base_url": "127.0.0.1"}
+                          "clients": 1, "base_url": "127.0.0.1"}
   assert row.to_json()  # JSON-serialisable, the rate included
 
 
@@ -109,6 +109,27 @@ def test_poisson_arrivals_with_a_concurrency_cap(port):
   for _, step in sorted(events, key=lambda e: (e[0], e[1])):  # (a finish before a send at a tie)
     in_flight += step
     assert in_flight <= 2
+
+
+def test_client_processes_share_the_requests_and_the_cap(port):
+  """Two client processes: every request is recorded once, none before its arrival; the cap of 3
+  is split 2 + 1, so at most 3 are in flight; the row names its clients."""
+  args = _args(port, "--clients", "2", "--rate", "40", "--max-concurrency", "3")
+  measured = serve.measure(args)
+  row = _check(args, measured)
+  assert measured.clients == 2 and row.workload["clients"] == 2
+  work = serve.workload(NUM_REQUESTS, (8, 24), 40.0, 1000, 0)
+  events = []
+  for record, arrival in zip(measured.records, work.arrivals, strict=True):
+    assert record.sent >= measured.start + arrival
+    events += [(record.sent, 1), (record.finished, -1)]
+  in_flight = 0
+  for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+    in_flight += step
+    assert in_flight <= 3
+  assert serve._caps(3, 2) == [2, 1] and serve._caps(None, 3) == [None] * 3
+  # More clients than requests (or than the cap) run as many as there are.
+  assert serve.measure(_args(port, "--clients", "4", "--num-requests", "2")).clients == 2
 
 
 def test_run_returns_the_row(port):
@@ -139,7 +160,8 @@ def test_seeded_workload():
     ("--prompt-len", "9:3", "--prompt-len"), ("--prompt-len", "a", "--prompt-len"),
     ("--rate", "0", "--rate"), ("--rate", "fast", "--rate"),
     ("--num-requests", "0", "--num-requests"), ("--output-len", "-1", "--output-len"),
-    ("--max-concurrency", "0", "--max-concurrency"), ("--vocab-size", "1", "--vocab-size")])
+    ("--max-concurrency", "0", "--max-concurrency"), ("--vocab-size", "1", "--vocab-size"),
+    ("--clients", "0", "--clients")])
 def test_bad_options_name_their_flag(flag, value, match):
   with pytest.raises(ValueError, match=match):
     serve.measure(_args(None, flag, value))

@@ -4,9 +4,15 @@ what a client sees.
 
 How: `--num-requests` prompts of random token ids (drawn in [1, --vocab-size), their lengths
 uniform in `--prompt-len`, all from `--seed`), sent as token-id prompts through the official
-`openai.AsyncOpenAI` client, one asyncio task per request. Arrivals are a Poisson process of
-`--rate` requests/s (inf: all at time 0), at most `--max-concurrency` in flight (a semaphore;
-a request's send time is when it gets past it). Every request is streamed with
+`openai.AsyncOpenAI` client, one asyncio task per request, from `--clients` processes (request
+i from client i mod N, each its own client and event loop): one Python client consumes about
+ten thousand streamed chunks a second, fewer than one server step of 64 streams makes, so one
+process would measure itself (`benchmarks/README.md`). Each client first sends one short
+request, unmeasured (its connection and the client's first-call costs, as a long-running
+client has paid them), then every client waits for the common start. Arrivals are a Poisson
+process of `--rate` requests/s (inf: all at time 0), at most `--max-concurrency` in flight
+(a semaphore per client, the cap split among them; a request's send time is when it gets past
+it). Times are `time.perf_counter()`, one clock for every process on Linux (CLOCK_MONOTONIC). Every request is streamed with
 `stream_options.include_usage`, `max_tokens = --output-len`, `temperature 0` and the extensions
 `ignore_eos` (every request generates `--output-len` tokens) and `return_token_ids`. Per request
 it records the send time, each content chunk's arrival time and token count (`len(token_ids)`
@@ -38,11 +44,12 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import multiprocessing
 import os
 import sys
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +67,9 @@ else:
   OPENAI_MISSING = ""
 
 SHOWN_ERRORS = 3  # failed requests whose message is printed
+START_AHEAD_S = 0.05  # the common start, after every client is ready
+DEFAULT_CLIENTS = min(8, os.cpu_count() or 1)  # (one per core, up to 8)
+_SPAWN = multiprocessing.get_context("spawn")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
   parser.add_argument("--request-timeout", type=float, default=600.0,
                       help="seconds per request before it counts as failed")
+  parser.add_argument("--clients", type=int, default=DEFAULT_CLIENTS,
+                      help="client processes sending the requests (see the module docstring); "
+                           "default: one per core, at most 8")
   parser.add_argument("--device", default=None,
                       help="the server's device, for the row; None = 'remote'")
 
@@ -134,14 +147,15 @@ def message(error: BaseException) -> str:
   return f"{type(error).__name__}: {error}"
 
 
-async def _request(client: Any, args: argparse.Namespace, prompt: list[int], start: float,
-                   arrival: float, gate: Any, record: Record, bar: tqdm) -> None:
+async def _request(client: Any, args: argparse.Namespace, prompt: list[int], max_tokens: int,
+                   start: float, arrival: float, gate: Any, record: Record,
+                   done: Callable[[], None]) -> None:
   await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
   async with gate:
     record.sent = time.perf_counter()
     try:
       stream = await client.completions.create(
-          model=args.model, prompt=prompt, max_tokens=args.output_len, temperature=0,
+          model=args.model, prompt=prompt, max_tokens=max_tokens, temperature=0,
           stream=True, stream_options={"include_usage": True},
           extra_body={"ignore_eos": True, "return_token_ids": True})
       async for chunk in stream:
@@ -157,26 +171,98 @@ async def _request(client: Any, args: argparse.Namespace, prompt: list[int], sta
       record.error = message(error)
     finally:
       record.finished = time.perf_counter()
-      bar.update(1)
+      done()
 
 
-async def _send(args: argparse.Namespace, work: Workload) -> tuple[list[Record], float]:
-  """Every request's record and the start time (the first arrival)."""
-  records = [Record() for _ in work.prompts]
-  gate = (asyncio.Semaphore(args.max_concurrency) if args.max_concurrency
-          else contextlib.nullcontext())
+async def _send(args: argparse.Namespace, work: Workload, share: Sequence[int], cap: int | None,
+                ready: Any, start: Any, done: Callable[[], None]) -> list[Record]:
+  """One client's requests (`share`: their indices in `work`): the warm-up request, then
+  `ready()` returns the common start time; `done()` after each request."""
+  records = [Record() for _ in share]
+  gate = asyncio.Semaphore(cap) if cap else contextlib.nullcontext()
   api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
   client = openai.AsyncOpenAI(base_url=args.base_url, api_key=api_key, max_retries=0,
                               timeout=args.request_timeout)
   try:
-    with tqdm(total=len(records), desc="requests", unit="req", file=sys.stderr) as bar:
-      start = time.perf_counter()
-      await asyncio.gather(*[
-          _request(client, args, prompt, start, arrival, gate, record, bar)
-          for prompt, arrival, record in zip(work.prompts, work.arrivals, records, strict=True)])
+    await _request(client, args, work.prompts[share[0]][:4], 2, 0.0, 0.0,
+                   contextlib.nullcontext(), Record(), lambda: None)
+    ready()
+    start = start()
+    await asyncio.gather(*[
+        _request(client, args, work.prompts[i], args.output_len, start, work.arrivals[i], gate,
+                 record, done) for i, record in zip(share, records, strict=True)])
   finally:
     await client.close()
-  return records, start
+  return records
+
+
+def _caps(cap: int | None, clients: int) -> list[int | None]:
+  """`--max-concurrency` split among the clients (the first ones take the remainder)."""
+  if cap is None:
+    return [None] * clients
+  return [cap // clients + (c < cap % clients) for c in range(clients)]
+
+
+def _client_process(args: argparse.Namespace, work: Workload, share: list[int], cap: int | None,
+                    barrier: Any, go: Any, start: Any, results: Any) -> None:
+  """A client process (`multiprocessing` target): ready at `barrier`, it starts at `start` once
+  `go` is set; its records go to `results` (progress ticks first, then the records)."""
+
+  def begin() -> float:
+    go.wait()
+    return start.value
+
+  records = asyncio.run(_send(args, work, share, cap, barrier.wait, begin,
+                              lambda: results.put(None)))
+  results.put((share, records))
+
+
+def _send_all(args: argparse.Namespace, work: Workload, clients: int) -> tuple[list[Record], float]:
+  """Every request's record and the start time (the first arrival)."""
+  n = len(work.prompts)
+  shares = [list(range(c, n, clients)) for c in range(clients)]
+  caps = _caps(args.max_concurrency, clients)
+  with tqdm(total=n, desc="requests", unit="req", file=sys.stderr) as bar:
+    if clients == 1:
+      begin = [0.0]
+
+      def now() -> float:
+        begin[0] = time.perf_counter()
+        return begin[0]
+
+      records = asyncio.run(_send(args, work, shares[0], caps[0], lambda: None, now,
+                                  lambda: bar.update(1)))
+      return records, begin[0]
+    barrier = _SPAWN.Barrier(clients + 1)
+    go, start = _SPAWN.Event(), _SPAWN.Value("d", 0.0)
+    results = _SPAWN.Queue()
+    workers = [_SPAWN.Process(target=_client_process, name=f"cg_jax-bench-client-{c}",
+                              args=(args, work, shares[c], caps[c], barrier, go, start, results))
+               for c in range(clients)]
+    for worker in workers:
+      worker.start()
+    try:
+      barrier.wait(timeout=args.request_timeout + 60)
+      start.value = time.perf_counter() + START_AHEAD_S
+      go.set()
+      records: list[Record] = [Record()] * n
+      finished = 0
+      while finished < clients:
+        item = results.get(timeout=args.request_timeout + 60)
+        if item is None:
+          bar.update(1)
+          continue
+        share, got = item
+        for i, record in zip(share, got, strict=True):
+          records[i] = record
+        finished += 1
+    finally:
+      for worker in workers:
+        worker.join(5)
+        if worker.is_alive():
+          worker.kill()
+          worker.join()
+  return records, start.value
 
 
 def figures(records: Sequence[Record], start: float) -> dict[str, float]:
@@ -213,6 +299,7 @@ class Measurement:
   rate: float
   records: list[Record]
   start: float  # perf_counter at the first arrival
+  clients: int = 1
 
 
 def measure(args: argparse.Namespace) -> Measurement:
@@ -224,13 +311,15 @@ def measure(args: argparse.Namespace) -> Measurement:
   options.integer("--output-len", args.output_len)
   options.integer("--max-concurrency", args.max_concurrency, optional=True)
   options.integer("--vocab-size", args.vocab_size, 2)
+  clients = options.integer("--clients", args.clients)
   if not args.request_timeout > 0:
     raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout!r}")
   prompt_len = options.length_range("--prompt-len", args.prompt_len)
   rate = options.rate("--rate", args.rate)
   work = workload(args.num_requests, prompt_len, rate, args.vocab_size, args.seed)
-  records, start = asyncio.run(_send(args, work))
-  return Measurement(prompt_len, rate, records, start)
+  clients = min(clients, args.num_requests, args.max_concurrency or args.num_requests)
+  records, start = _send_all(args, work, clients)
+  return Measurement(prompt_len, rate, records, start, clients)
 
 
 def row(args: argparse.Namespace, measured: Measurement) -> Row:
@@ -254,7 +343,8 @@ def row(args: argparse.Namespace, measured: Measurement) -> Row:
   load = {"kind": "serve", "num_requests": args.num_requests, "prompt_len": args.prompt_len,
           "output_len": args.output_len,
           "rate": "inf" if math.isinf(measured.rate) else measured.rate,
-          "max_concurrency": args.max_concurrency, "base_url": host}
+          "max_concurrency": args.max_concurrency, "clients": measured.clients,
+          "base_url": host}
   return options.row(args, load, figures(records, measured.start),
                      device=args.device or "remote")
 

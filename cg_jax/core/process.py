@@ -4,7 +4,7 @@ front ends' requests over ZMQ (`cg_jax.core.wire`). It runs no asyncio and no HT
 Threads: the main thread reads the inbox (requests, cancellations, status and score calls); a
 loader thread builds the engine and warms it up (the main thread answers status meanwhile); the
 engine thread runs the steps and, after each, sends every front end its requests' new tokens in
-one message (`Outbox.flush`, the scheduler's `on_delivered`). A request arrives validated by its
+one message (`Outbox.flush`, given to `Engine.on_step`). A request arrives validated by its
 front end (token ids, `SamplingSettings`, a budget); stop strings and text stay in the front end,
 which cancels a request once its text holds one.
 
@@ -175,6 +175,7 @@ class Core:
   def load(self) -> None:
     try:
       self.engine = self._build()
+      self.engine.on_step(self.outbox.flush)
       self.total = len(self.engine.executable_keys(phases=self._phases))
       self.state = "warming up"
       log.info("engine core: model loaded in %.1f s; warming up %d executables",
@@ -277,8 +278,7 @@ class Core:
                                  logprobs=header["logprobs"])
     make = functools.partial(_CoreGroup, self.outbox, client, rid)
     try:
-      group = self.engine.enqueue(request, timeout=header["timeout"], group=make,
-                                  on_delivered=self.outbox.flush)
+      group = self.engine.enqueue(request, timeout=header["timeout"], group=make)
     except Exception as error:  # noqa: BLE001 - QueueFull, EngineClosed: the request fails
       self.outbox.error(client, rid, error)
       self.outbox.flush()

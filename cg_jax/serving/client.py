@@ -158,22 +158,20 @@ class CoreClient:
       raise CoreDied(self.failure)
     if max_new_tokens is not None:
       sampling = dict(sampling, max_new_tokens=max_new_tokens)
-    params = SamplingParams.of(params, sampling, "submit()")
     model, limits = self.model_config, self.config
-    rows = validation.prompts([list(prompt)], model.vocab_size)
-    validation.lengths(rows, max_prompt_len=limits.max_seq_len - 1,
-                       max_seq_len=limits.max_seq_len, max_new_tokens=params.max_new_tokens)
-    settings, stop, top = params.settings(vocab_size=model.vocab_size,
-                                          default_eos=model.eos_token_id,
-                                          has_tokenizer=self.tokenizer is not None)
+    request = validation.request([list(prompt)], SamplingParams.of(params, sampling, "submit()"),
+                                 vocab_size=model.vocab_size, max_seq_len=limits.max_seq_len,
+                                 default_eos=model.eos_token_id,
+                                 has_tokenizer=self.tokenizer is not None)
+    stop, top = request.stop, request.logprobs
     rid = next(self._ids)
-    group = Group([len(rows[0])], lambda: self._send({"op": "cancel", "ids": [rid]}))
+    group = Group([len(request.rows[0])], lambda: self._send({"op": "cancel", "ids": [rid]}))
     follow = RowText(self.tokenizer, stop) if stop else None
     with self._lock:
       self._requests[rid] = (group, follow)
-    self._send({"op": "add", "id": rid, "max_new_tokens": params.max_new_tokens,
-                "settings": wire.settings_json(settings), "logprobs": top, "timeout": timeout},
-               rows[0].astype(np.int32))
+    self._send({"op": "add", "id": rid, "max_new_tokens": request.max_new_tokens,
+                "settings": wire.settings_json(request.settings), "logprobs": top,
+                "timeout": timeout}, request.rows[0].astype(np.int32))
     return Handle(group, self.tokenizer, stop, top)
 
   def score(self, prompt, top: int = 0) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
