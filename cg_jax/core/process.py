@@ -3,11 +3,10 @@ front ends' requests over ZMQ (`cg_jax.core.wire`). It runs no asyncio and no HT
 
 Threads: the main thread reads the inbox (requests, cancellations, status and score calls); a
 loader thread builds the engine and warms it up (the main thread answers status meanwhile); the
-engine thread runs the steps and, after each, hands the step's outputs to the outbox's sender
-thread, which sends every front end its requests' new tokens in one message (`Outbox.flush`,
-given to `Engine.on_step`). A request arrives validated by its front end (token ids,
-`SamplingSettings`, a budget); stop strings and text stay in the front end, which cancels a
-request once its text holds one.
+engine thread runs the steps and, after each, sends every front end its requests' new tokens in
+one message (`Outbox.flush`, given to `Engine.on_step`). A request arrives validated by its
+front end (token ids, `SamplingSettings`, a budget); stop strings and text stay in the front end,
+which cancels a request once its text holds one.
 
 The process ends on a `shutdown` message (the launcher's, after the front ends drained) or once
 its parent is gone; SIGINT is left to the launcher, which coordinates the shutdown.
@@ -19,7 +18,6 @@ import collections
 import functools
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -40,28 +38,19 @@ POLL_MS = 100  # the main loop's longest wait for a message
 
 class Outbox:
   """What goes back to the front ends: each step's tokens, ends and failures, gathered per front
-  end; `flush` hands them to the sender thread ("cg_jax-core-outbox"), which encodes one message
-  per front end and sends it, so the engine thread spends a swap of buffers per step, not the
-  encoding (it overlaps the next step); and the replies to status and score calls. Thread-safe
-  (one lock around the buffers and the sockets); a front end that is gone or does not read
-  drops its messages (a send never blocks)."""
+  end and sent as one message each by `flush`; and the replies to status and score calls.
+  Thread-safe (one lock around the buffers and the sockets); a front end that is gone or does
+  not read drops its messages (a send never blocks the engine thread)."""
 
   def __init__(self, context: zmq.Context):
     self._context = context
     self._lock = threading.Lock()
     self._sockets: dict[str, zmq.Socket] = {}
-    self._tokens, self._scores, self._ends, self._errors = self._buffers()
-    self._steps: queue.SimpleQueue = queue.SimpleQueue()  # flushed buffers, then None to stop
+    self._tokens: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+    self._scores: dict[str, list[tuple[int, np.ndarray]]] = collections.defaultdict(list)
+    self._ends: dict[str, list[list]] = collections.defaultdict(list)
+    self._errors: dict[str, list[list]] = collections.defaultdict(list)
     self.dropped = 0
-    self._sender = threading.Thread(target=self._send_steps, name="cg_jax-core-outbox",
-                                    daemon=True)
-    self._sender.start()
-
-  @staticmethod
-  def _buffers() -> tuple[dict, ...]:
-    """Per front end: (rid, token) pairs, (rid, scores) pairs, [rid, reason] ends and
-    [rid, kind, message] failures."""
-    return tuple(collections.defaultdict(list) for _ in range(4))
 
   def connect(self, client: str) -> None:
     with self._lock:
@@ -95,31 +84,21 @@ class Outbox:
       self._errors[client].append([rid, type(error).__name__, str(error)])
 
   def flush(self) -> None:
-    """What was gathered since the last flush goes out as one `step` message per front end
-    with outputs (sent by the sender thread, in flush order)."""
+    """One `step` message per front end with outputs."""
     with self._lock:
-      if not (self._tokens or self._ends or self._errors):
-        return
-      step = (self._tokens, self._scores, self._ends, self._errors)
-      self._tokens, self._scores, self._ends, self._errors = self._buffers()
-    self._steps.put(step)
-
-  def _send_steps(self) -> None:
-    while (step := self._steps.get()) is not None:
-      tokens, scores, ends, errors = step
-      for client in set(tokens) | set(ends) | set(errors):
-        pairs, scored = tokens.get(client, []), scores.get(client, [])
-        ids = np.array([rid for rid, _ in pairs], np.int64)
-        values = np.array([token for _, token in pairs], np.int32)
-        scored_ids = np.array([rid for rid, _ in scored], np.int64)
-        width = len(scored[0][1]) if scored else 0
-        rows = (np.stack([score for _, score in scored]).astype(np.float32) if scored
+      clients = set(self._tokens) | set(self._ends) | set(self._errors)
+      for client in clients:
+        tokens = self._tokens.pop(client, [])
+        scores = self._scores.pop(client, [])
+        ids = np.array([rid for rid, _ in tokens], np.int64)
+        values = np.array([token for _, token in tokens], np.int32)
+        scored = np.array([rid for rid, _ in scores], np.int64)
+        width = len(scores[0][1]) if scores else 0
+        rows = (np.stack([score for _, score in scores]).astype(np.float32) if scores
                 else np.zeros((0,), np.float32))
-        header = {"op": "step", "ends": ends.get(client, []), "errors": errors.get(client, []),
-                  "width": width}
-        frames = wire.encode(header, ids, values, scored_ids, rows)
-        with self._lock:
-          self._send(client, frames)
+        header = {"op": "step", "ends": self._ends.pop(client, []),
+                  "errors": self._errors.pop(client, []), "width": width}
+        self._send(client, wire.encode(header, ids, values, scored, rows))
 
   def reply(self, client: str, ticket: int, result: Any = None,
             error: BaseException | None = None) -> None:
@@ -129,7 +108,6 @@ class Outbox:
       self._send(client, wire.encode(header))
 
   def _send(self, client: str, frames: list) -> None:
-    """(With the lock held: the sockets are not thread-safe.)"""
     sock = self._sockets.get(client)
     if sock is None:
       return
@@ -139,9 +117,6 @@ class Outbox:
       self.dropped += 1
 
   def close(self) -> None:
-    """Send what was flushed, then close the sockets."""
-    self._steps.put(None)
-    self._sender.join(timeout=5)
     with self._lock:
       for sock in self._sockets.values():
         sock.close()
