@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Offline install of what `python -m cg_jax serve` and `serving_bench.py --system cg_jax_http`
+# Offline install of what `python -m cg_jax serve` and `python -m cg_jax bench serve`
 # need (fastapi, uvicorn, prometheus-client, jinja2, httpx, openai and their dependencies) from
 # the wheels in .whl/, on a machine without a package index (the GPU machine: Python 3.12).
 #
