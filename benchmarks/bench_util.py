@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -13,57 +12,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The H200's measured device-to-device copy bandwidth (../shared/gpu-facts.md): the HBM ceiling
 # every floor and bandwidth share is computed against.
 HBM_BYTES_PER_S = 4.2e12
-
-
-def prompt_probe_parser() -> argparse.ArgumentParser:
-  """The arguments every prompt-path probe takes: a checkpoint, an output folder, the prompt
-  length and the batch buckets."""
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--checkpoint", required=True)
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--prompt-len", type=int, default=512, help="CPU smoke run: 64")
-  parser.add_argument("--batches", default="1,8")
-  return parser
-
-
-def generate_ttft_ms(engine, batch: int, length: int, rng, calls: int, idle_s: float = 0.0):
-  """Median `generate(max_new_tokens=1)` TTFT (ms, `stats['ttft_s']`) of `calls` calls on fresh
-  random prompts of `batch` x `length` tokens, after one untimed; `idle_s` of sleep before each."""
-  vocab = engine.model_config.vocab_size
-  times = []
-  for _ in range(calls + 1):
-    time.sleep(idle_s)
-    prompts = rng.integers(0, vocab, (batch, length)).tolist()
-    times.append(engine.generate(prompts, max_new_tokens=1, eos_token_id=[]).stats["ttft_s"])
-  return statistics.median(times[1:]) * 1e3
-
-
-def prompt_call_ms(engine, exe, batch: int, length: int, rng, staged: bool = False,
-                   calls: int = 15) -> tuple[float, float]:
-  """(until the call returns, until its first tokens are on the host) in ms, medians of `calls`
-  calls after one untimed, of a ("prompts", batch, length) executable `exe` on fresh random
-  prompts: NumPy inputs as the scheduler passes them, or with `staged` inputs already on the
-  device."""
-  import jax
-  import numpy as np
-
-  weights = engine.executables.steps.split.weights
-  vocab = engine.model_config.vocab_size
-  returned, total = [], []
-  for _ in range(calls + 1):
-    inputs = (rng.integers(0, vocab, (batch, length)).astype(np.int32),
-              np.full((batch,), length, np.int32), np.int32(0))
-    if staged:
-      inputs = jax.block_until_ready(jax.device_put(inputs, engine.input_placement))
-    with engine._scheduler.exclusive():
-      cache = jax.block_until_ready(engine.kv_cache.get())
-      start = time.perf_counter()
-      new, _, cache = exe(weights, cache, *inputs)
-      returned.append(time.perf_counter() - start)
-      np.asarray(new)
-      total.append(time.perf_counter() - start)
-      engine.kv_cache.set(cache)
-  return statistics.median(returned[1:]) * 1e3, statistics.median(total[1:]) * 1e3
 
 
 def git_commit() -> str:

@@ -148,7 +148,7 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
   runner = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=(1,), prompt_buckets=(16,),
                                   max_seq_len=max_seq_len, graphs="full", layer_loop="unroll",
                                   compilation_cache=False)
-  decode, state = profile._prepare(runner, 1, max_seq_len // 2)
+  decode, state = profile.prepare_decode(runner, 1, max_seq_len // 2)
   steps_fn, holder = runner.executables.steps, runner.kv_cache
   weights = steps_fn.split.weights
   device = jax.devices()[0]

@@ -199,10 +199,10 @@ def _inputs(engine, tree):
   return jax.device_put(tree, engine.input_placement)
 
 
-def _prepare(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, DecodeState]:
-  # Tokens and positions are donated into each step: callers must pass fresh copies per run.
+def prepare_decode(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, DecodeState]:
   """Compile the greedy decode step for `batch`, fill the KV cache with random values (timing
-  on zeros can flatter), and return (step executable, start state)."""
+  on zeros can flatter), and return (step executable, start state). Tokens and positions are
+  donated into each step: callers pass fresh copies per run."""
   if position + 1 >= engine.config.max_seq_len:
     raise ValueError(f"position must be < max_seq_len - 1 ({engine.config.max_seq_len - 1}), "
                      f"got {position}")
@@ -250,7 +250,7 @@ def time_decode(engine, batch: int, *, position: int = 512, steps: int = 64, rep
       the bottleneck the launch queue fills and this approaches step_us (the host waits), so
       it is not a dispatch cost.
   """
-  decode, state = _prepare(engine, batch, position)
+  decode, state = prepare_decode(engine, batch, position)
   _run_steps(engine, decode, state, steps, read_back)  # warm
   walls, pipelined = [], []
   for _ in range(repeats):
@@ -307,7 +307,7 @@ def profile_calls(fn, calls: int = 3, logdir: str | None = None) -> LaunchReport
 def profile_decode(engine, batch: int, *, position: int = 512, steps: int = 10,
                    logdir: str | None = None) -> tuple[LaunchReport, str]:
   """Profile `steps` pipelined decode steps; returns (report, trace path)."""
-  decode, state = _prepare(engine, batch, position)
+  decode, state = prepare_decode(engine, batch, position)
   _run_steps(engine, decode, state, 3, read_back=False)  # warm
   logdir = logdir or tempfile.mkdtemp(prefix="cg_jax_profile_")
   with jax.profiler.trace(logdir):
