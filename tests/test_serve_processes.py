@@ -1,10 +1,12 @@
 """`python -m cg_jax serve` as users run it: an engine-core process and front ends
 (`cg_jax.serving.launch`), driven by the official `openai` client on 127.0.0.1. Its answers
 equal the in-process engine's; the faults of a process (the core killed, one of two front ends
-killed, a client that hangs up) leave the rest served or fail fast and loudly."""
+killed, a client that hangs up, a client that stops reading) leave the rest served or fail fast
+and loudly."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -83,7 +85,6 @@ def test_streams_and_many_at_once(served, engine):
   want = engine.generate([[5, 6, 7]], 40, eos_token_id=[])[0]
   chunks = _stream_ids(client, "kjv", [5, 6, 7], 40)
   assert sum(chunks, []) == want
-  import concurrent.futures
   with concurrent.futures.ThreadPoolExecutor(24) as pool:
     results = list(pool.map(lambda i: sum(_stream_ids(client, "kjv", [5, 6, 7 + i % 3], 20), []),
                             range(24)))
@@ -112,6 +113,53 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_core(served):
     assert time.monotonic() < deadline, metrics.decode()
     time.sleep(0.1)
   assert client.completions.create(model="kjv", prompt=[1, 2], max_tokens=2).choices[0].text
+
+
+def test_a_stalled_client_delays_no_other_stream(served, engine):
+  """A client that stops reading (a 2 KB receive buffer, nothing read) while its stream of four
+  choices with log-probabilities (over 192 KB) is produced: other streams are answered
+  meanwhile, in full and equal to the engine's; read afterwards, the stalled stream lost
+  nothing (every choice's tokens, its finish, [DONE])."""
+  body = {"model": "kjv", "prompt": [[5, 6, 7 + i] for i in range(4)], "max_tokens": 120,
+          "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 5,
+          "return_token_ids": True}
+  data = json.dumps(body).encode()
+  with socket.socket() as stalled:
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # (before connecting)
+    stalled.settimeout(TIMEOUT)
+    stalled.connect(("127.0.0.1", served.port))
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                    b"application/json\r\nContent-Length: " + str(len(data)).encode()
+                    + b"\r\n\r\n" + data)
+    time.sleep(1.0)  # (its tokens are being made, and its front end's writes back up)
+    client = _client(served.port)
+    for i in range(4):  # other streams, over both front ends
+      started = time.monotonic()
+      assert sum(_stream_ids(client, "kjv", [9, 10, 11 + i], 20), []) == engine.generate(
+          [[9, 10, 11 + i]], 20, eos_token_id=[])[0]
+      assert time.monotonic() - started < 20
+    received = b""
+    while not received.endswith(b"\r\n0\r\n\r\n"):  # (the chunked body's end)
+      more = stalled.recv(1 << 16)
+      assert more, received[-500:]
+      received += more
+  # Far past what the stalled socket's buffers hold (2 KB here, the server's send buffer against
+  # that window, and uvicorn's 64 KB before it pauses the stream).
+  assert len(received) > 192 * 1024
+  head, body = received.split(b"\r\n\r\n", 1)
+  assert head.startswith(b"HTTP/1.1 200")
+  stream = b""
+  while body:  # chunked transfer encoding: size in hex, CRLF, data, CRLF
+    size, body = body.split(b"\r\n", 1)
+    stream, body = stream + body[:int(size, 16)], body[int(size, 16) + 2:]
+  lines = stream.decode().split("\n")
+  assert "data: [DONE]" in lines
+  events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+  for i in range(4):
+    choices = [c for e in events for c in e["choices"] if c["index"] == i]
+    ids = sum((c.get("token_ids") or [] for c in choices), [])
+    assert ids == engine.generate([[5, 6, 7 + i]], 120, eos_token_id=[])[0]
+    assert choices[-1]["finish_reason"] == "length"
 
 
 def test_a_model_without_a_tokenizer_streams_per_step():
