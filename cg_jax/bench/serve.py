@@ -12,12 +12,13 @@ request, unmeasured (its connection and the client's first-call costs, as a long
 client has paid them), then every client waits for the common start. Arrivals are a Poisson
 process of `--rate` requests/s (inf: all at time 0), at most `--max-concurrency` in flight
 (a semaphore per client, the cap split among them; a request's send time is when it gets past
-it). Times are `time.perf_counter()`, one clock for every process on Linux (CLOCK_MONOTONIC). Every request is streamed with
-`stream_options.include_usage`, `max_tokens = --output-len`, `temperature 0` and the extensions
-`ignore_eos` (every request generates `--output-len` tokens) and `return_token_ids`. Per request
-it records the send time, each content chunk's arrival time and token count (`len(token_ids)`
-where the server gives them, else 1 per chunk with text), the final usage chunk's
-`completion_tokens` (the request's token count when given), the finish time and any error.
+it). Times are `time.perf_counter()`, one clock for every process on Linux (CLOCK_MONOTONIC).
+Every request is streamed with `stream_options.include_usage`, `max_tokens = --output-len`,
+`temperature 0` and the extensions `ignore_eos` (every request generates `--output-len` tokens)
+and `return_token_ids`. Per request it records the send time, each content chunk's arrival time
+and token count (`len(token_ids)` where the server gives them, else 1 per chunk with text), the
+final usage chunk's `completion_tokens` (the request's token count when given), the finish time
+and any error.
 The options are checked in `run` (a ValueError naming the flag, as in the other subcommands).
 
 Figures (over the requests that succeeded; times from `time.perf_counter` on the client):
@@ -46,6 +47,7 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import queue
 import sys
 import time
 import urllib.parse
@@ -204,17 +206,30 @@ def _caps(cap: int | None, clients: int) -> list[int | None]:
 
 
 def _client_process(args: argparse.Namespace, work: Workload, share: list[int], cap: int | None,
-                    barrier: Any, go: Any, start: Any, results: Any) -> None:
-  """A client process (`multiprocessing` target): ready at `barrier`, it starts at `start` once
-  `go` is set; its records go to `results` (progress ticks first, then the records)."""
+                    go: Any, start: Any, results: Any) -> None:
+  """A client process (`multiprocessing` target): it puts "ready" on `results` after its
+  warm-up, starts at `start` once `go` is set, puts None after each request and its records
+  last."""
 
   def begin() -> float:
     go.wait()
     return start.value
 
-  records = asyncio.run(_send(args, work, share, cap, barrier.wait, begin,
+  records = asyncio.run(_send(args, work, share, cap, lambda: results.put("ready"), begin,
                               lambda: results.put(None)))
   results.put((share, records))
+
+
+def _next(results: Any, workers: list) -> Any:
+  """The next message of the client processes; a RuntimeError once one of them has died."""
+  while True:
+    try:
+      return results.get(timeout=1.0)
+    except queue.Empty:
+      for worker in workers:
+        if worker.exitcode not in (None, 0):
+          raise RuntimeError(f"bench serve: the client process {worker.name} exited with "
+                             f"code {worker.exitcode}") from None
 
 
 def _send_all(args: argparse.Namespace, work: Workload, clients: int) -> tuple[list[Record], float]:
@@ -233,29 +248,30 @@ def _send_all(args: argparse.Namespace, work: Workload, clients: int) -> tuple[l
       records = asyncio.run(_send(args, work, shares[0], caps[0], lambda: None, now,
                                   lambda: bar.update(1)))
       return records, begin[0]
-    barrier = _SPAWN.Barrier(clients + 1)
     go, start = _SPAWN.Event(), _SPAWN.Value("d", 0.0)
     results = _SPAWN.Queue()
     workers = [_SPAWN.Process(target=_client_process, name=f"cg_jax-bench-client-{c}",
-                              args=(args, work, shares[c], caps[c], barrier, go, start, results))
+                              args=(args, work, shares[c], caps[c], go, start, results))
                for c in range(clients)]
     for worker in workers:
       worker.start()
     try:
-      barrier.wait(timeout=args.request_timeout + 60)
-      start.value = time.perf_counter() + START_AHEAD_S
-      go.set()
-      records: list[Record] = [Record()] * n
-      finished = 0
+      records: list[Record | None] = [None] * n
+      ready = finished = 0
       while finished < clients:
-        item = results.get(timeout=args.request_timeout + 60)
-        if item is None:
+        item = _next(results, workers)
+        if item == "ready":
+          ready += 1
+          if ready == clients:  # every client warmed up: the common start
+            start.value = time.perf_counter() + START_AHEAD_S
+            go.set()
+        elif item is None:
           bar.update(1)
-          continue
-        share, got = item
-        for i, record in zip(share, got, strict=True):
-          records[i] = record
-        finished += 1
+        else:
+          share, got = item
+          for i, record in zip(share, got, strict=True):
+            records[i] = record
+          finished += 1
     finally:
       for worker in workers:
         worker.join(5)
