@@ -2,9 +2,10 @@
 bundled model on the CPU: all requests at once and Poisson arrivals with a concurrency cap give
 positive figures, every request's `ignore_eos` output counted in full (from the streamed token
 ids and the usage chunk alike), TTFT <= end-to-end, no errors, the cap and the arrival times
-kept, also from two client processes sharing the cap; the prompts are seeded; a wrong model name fails every request, reported with the
-server's 404 and message; bad options name their flag; `python -m cg_jax bench serve` writes
-and prints the row, or `error: ...`; the server stops with no thread left."""
+kept, also from two client processes sharing the cap; the prompts are seeded; a wrong model name
+fails every request, reported with the server's 404 and message; bad options name their flag;
+`python -m cg_jax bench serve` writes and prints the row, or `error: ...`; the server stops with
+no thread left."""
 
 import argparse
 import math

@@ -177,9 +177,11 @@ async def _request(client: Any, args: argparse.Namespace, prompt: list[int], max
 
 
 async def _send(args: argparse.Namespace, work: Workload, share: Sequence[int], cap: int | None,
-                ready: Any, start: Any, done: Callable[[], None]) -> list[Record]:
-  """One client's requests (`share`: their indices in `work`): the warm-up request, then
-  `ready()` returns the common start time; `done()` after each request."""
+                ready: Callable[[], None], start: Callable[[], float],
+                done: Callable[[], None]) -> tuple[list[Record], float]:
+  """One client's requests (`share`: their indices in `work`) and the start time: the warm-up
+  request, `ready()`, then `start()` gives the common start time; `done()` after each
+  request."""
   records = [Record() for _ in share]
   gate = asyncio.Semaphore(cap) if cap else contextlib.nullcontext()
   api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
@@ -195,7 +197,7 @@ async def _send(args: argparse.Namespace, work: Workload, share: Sequence[int], 
                  record, done) for i, record in zip(share, records, strict=True)])
   finally:
     await client.close()
-  return records
+  return records, start
 
 
 def _caps(cap: int | None, clients: int) -> list[int | None]:
@@ -215,8 +217,8 @@ def _client_process(args: argparse.Namespace, work: Workload, share: list[int], 
     go.wait()
     return start.value
 
-  records = asyncio.run(_send(args, work, share, cap, lambda: results.put("ready"), begin,
-                              lambda: results.put(None)))
+  records, _ = asyncio.run(_send(args, work, share, cap, lambda: results.put("ready"), begin,
+                                 lambda: results.put(None)))
   results.put((share, records))
 
 
@@ -239,15 +241,8 @@ def _send_all(args: argparse.Namespace, work: Workload, clients: int) -> tuple[l
   caps = _caps(args.max_concurrency, clients)
   with tqdm(total=n, desc="requests", unit="req", file=sys.stderr) as bar:
     if clients == 1:
-      begin = [0.0]
-
-      def now() -> float:
-        begin[0] = time.perf_counter()
-        return begin[0]
-
-      records = asyncio.run(_send(args, work, shares[0], caps[0], lambda: None, now,
-                                  lambda: bar.update(1)))
-      return records, begin[0]
+      return asyncio.run(_send(args, work, shares[0], caps[0], lambda: None, time.perf_counter,
+                               lambda: bar.update(1)))
     go, start = _SPAWN.Event(), _SPAWN.Value("d", 0.0)
     results = _SPAWN.Queue()
     workers = [_SPAWN.Process(target=_client_process, name=f"cg_jax-bench-client-{c}",
