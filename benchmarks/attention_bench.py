@@ -24,9 +24,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-from bench_util import (HBM_BYTES_PER_S, fastest, git_commit, median_call_us, relative_error,
-                        write_rows)
+from bench_util import HBM_BYTES_PER_S, fastest, median_call_us, relative_error, write_rows
 
+from cg_jax.bench.rows import git_commit
 from cg_jax.core.graphs import compiler_options
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_reference,

@@ -1,29 +1,16 @@
-"""Shared pieces of the benchmark scripts beside it: row metadata and call timing."""
+"""Shared pieces of the study scripts beside it: call timing, errors and their rows.
+(`cg_jax.bench.rows.git_commit` names the commit.)"""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
-import subprocess
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The H200's measured device-to-device copy bandwidth (../shared/gpu-facts.md): the HBM ceiling
 # every floor and bandwidth share is computed against.
 HBM_BYTES_PER_S = 4.2e12
-
-
-def git_commit() -> str:
-  """$CG_JAX_COMMIT (set by the device scripts: a copied checkout's HEAD can be stale), else the
-  short hash of HEAD, else 'unknown'."""
-  if os.environ.get("CG_JAX_COMMIT"):
-    return os.environ["CG_JAX_COMMIT"]
-  try:
-    return subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def median_s(fn, repeats: int = 5) -> float:

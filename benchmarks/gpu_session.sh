@@ -1,29 +1,42 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work, each part time-boxed so a slow part cannot eat the others.
-# Usage (on the device machine, from the repo root):
+# The GPU benchmarks, one device call's worth of parts at a time, each part time-boxed so a slow
+# part cannot eat the others. Usage (on the device machine, from the repo root):
 #   CG_JAX_COMMIT=<hash> bash benchmarks/gpu_session.sh "$OUT" [parts]
 # parts (comma list, run in this order):
-#   train        the bundled model (scripts/train_default_model.py; needs .train/kjv carried)
-#   bench        `python -m cg_jax bench latency|throughput|serve|startup` on MODELS (default
-#                gpt2,llama-3.2-1b: random weights of their shapes), rows in OUT/bench.jsonl;
-#                `serve` needs .whl carried (benchmarks/http_install.sh) and runs from 8 clients
-#   attention    Pallas attention kernels: correctness, config search, XLA and torch SDPA
-#   io           host I/O: streamed tokens, pinned transfers, KV swap
-#   graphs       full command-buffer mode with Pallas attention, gpt2 and llama-3.2-1b, B=1/8/32
-#   tp           tensor parallelism over the host's GPUs (nvidia-h200-x2)
-#   invariance   batch invariance and its cost (batch_invariance_bench.py)
-#   comparison   the whole cg_jax-against-PyTorch comparison over every GPU of the host
-#                (comparison_session.py; resumable: call again on the warm machine for the rest)
-#   baselines    PyTorch / HF systems (MODELS, SYSTEMS as in run_baselines.sh)
-# The one-off probes that used to live here (dispatch, ttft, host-path, prompt-dispatch,
-# decode-kernels, user-latency, ...) were removed once their findings were in benchmarks/results;
-# `git log -- benchmarks/` has them.
+#   bench       for each of MODELS (default llama-3.2-1b), on one random-weight checkpoint
+#               (make_checkpoints.py) that every system loads: `python -m cg_jax bench latency`
+#               (BATCHES, default 1,8,32; prompts of 512, 128 new tokens, cache 1024) and the
+#               peers torch_compile and torch_gptfast with the same options (torch_peers.py);
+#               `bench throughput` and hf_continuous on 64 requests at once (THROUGHPUT=0: not)
+#   serve       for each of MODELS: `bench throughput` at 16 and 1 requests, then
+#               `python -m cg_jax serve` and `bench serve --clients 8` at 64, 16 and 1 requests
+#               (needs .whl carried: the offline install below)
+#   startup     `bench startup` of the engine, cold and warm, for each of MODELS
+#   train       the bundled model (scripts/train_default_model.py; needs .train/kjv carried)
+#   attention   Pallas attention kernels: correctness, config search, XLA and torch SDPA
+#   io          host I/O: streamed tokens, pinned transfers, KV swap
+#   tp          tensor parallelism over the host's GPUs (nvidia-h200-x2)
+#   invariance  batch invariance and its cost (batch_invariance_bench.py)
+# Rows of bench, serve and startup go to OUT/bench.jsonl (one schema, cg_jax.bench.rows); then
+#   python benchmarks/render_results.py bench benchmarks/results/bench_h200.jsonl
+# (the file copied into results/) regenerates the README's and benchmarks/README.md's tables.
+#
+# The GPU machine has no package index. `serve` installs fastapi, uvicorn, openai, ... from the
+# wheels in .whl/ into a directory of their own (never into the interpreter's environment; only
+# what it lacks, and never numpy, jax or torch). The wheels (about 9 MB), on a machine with an
+# index, from the repo root:
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_17_x86_64 --implementation cp -d .whl \
+#     fastapi uvicorn openai httpx prometheus-client jinja2 pip
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
 parts=${2:-bench}
-MODELS=${MODELS:-gpt2,llama-3.2-1b}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+MODELS=${MODELS:-llama-3.2-1b}
+BATCHES=${BATCHES:-1,8,32}
+CKPT=${CKPT:-/tmp/cg_jax_ckpt}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
+rows=$out/bench.jsonl
 has() { case ",$parts," in *,$1,*) return 0 ;; esac; return 1; }
 run() {  # name, timeout seconds, command... (gets --out OUT/name)
   local name=$1 limit=$2; shift 2
@@ -31,61 +44,98 @@ run() {  # name, timeout seconds, command... (gets --out OUT/name)
   mkdir -p "$out/$name"
   timeout "$limit" "$@" --out "$out/$name" 2>&1 | grep -v -i warning | tail -30
 }
+bench() {  # limit, `cg_jax bench` subcommand and its options (rows to OUT/bench.jsonl)
+  local limit=$1; shift
+  echo "=== bench $* ($(date +%T)) ==="
+  timeout "$limit" python3 -m cg_jax bench "$@" --output "$rows" 2>>"$out/bench.err" | tail -1
+}
+peer() {  # limit, torch_peers.py subcommand and its options (rows to OUT/bench.jsonl)
+  local limit=$1; shift
+  echo "=== peer $* ($(date +%T)) ==="
+  timeout "$limit" python3 benchmarks/torch_peers.py "$@" --output "$rows" \
+    2>>"$out/peers.err" | grep -E '^  batch |^\| (torch|hf)'
+}
+checkpoint() {  # model -> its directory under CKPT (written once)
+  [ -f "$CKPT/$1/config.json" ] || python3 benchmarks/make_checkpoints.py --out-dir "$CKPT" \
+    --models "$1" >>"$out/checkpoints.log" 2>&1
+  echo "$CKPT/$1"
+}
+http_install() {  # the serve extra and the openai client from .whl into $1; PYTHONPATH gets it
+  local dest=$1 wheels pip_wheel plan
+  wheels=$(cd .whl && pwd) || { echo "no .whl carried" >&2; return 1; }
+  pip_wheel=$(ls "$wheels"/pip-*.whl | tail -1)
+  local pip=(python3 "$pip_wheel/pip" --isolated --disable-pip-version-check --no-input)
+  local offline=(--no-index --find-links "$wheels" --only-binary=:all: --root-user-action=ignore)
+  local wanted=("fastapi>=0.115" "uvicorn>=0.30" "prometheus-client>=0.20" "jinja2>=3.1.6" httpx
+                "openai>=1.40")
+  rm -rf "$dest" && mkdir -p "$dest"
+  # What pip would add to this interpreter (nothing it has at a fitting version), then only that.
+  "${pip[@]}" install --dry-run --quiet --report "$dest.plan.json" "${offline[@]}" "${wanted[@]}"
+  plan=$(python3 - "$dest.plan.json" <<'EOF'
+import json, sys, urllib.parse, urllib.request
+for item in json.load(open(sys.argv[1]))["install"]:
+  name = item["metadata"]["name"].lower()
+  assert name not in ("numpy", "jax", "jaxlib", "torch"), f"the plan would install {name}"
+  print(urllib.request.url2pathname(urllib.parse.urlparse(item["download_info"]["url"]).path))
+EOF
+) || return 1
+  # shellcheck disable=SC2086  # one wheel path per word
+  [ -z "$plan" ] || "${pip[@]}" install --quiet --no-deps --target "$dest" \
+    --no-warn-script-location "${offline[@]}" $plan
+  export PYTHONPATH=$dest:$PYTHONPATH
+  python3 -c "import fastapi, uvicorn, openai, prometheus_client, jinja2, numpy, jax"
+}
+device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+latency=(--prompt-len 512 --output-len 128 --max-seq-len 1024)
+if has bench; then
+  for model in ${MODELS//,/ }; do
+    dir=$(checkpoint "$model")
+    bench 240 latency --model "$dir" --batch "$BATCHES" "${latency[@]}"
+    for system in torch_compile torch_gptfast; do
+      peer 240 latency --system "$system" --model "$dir" --batch "$BATCHES" "${latency[@]}"
+    done
+    if [ "${THROUGHPUT:-1}" != 0 ]; then
+      bench 300 throughput --model "$dir" --max-seq-len 1024 --num-requests 64
+      peer 120 throughput --system hf_continuous --model "$dir" --max-seq-len 1024 \
+        --num-requests 64
+    fi
+  done
+fi
+if has serve; then
+  http_install /tmp/cg_jax_http > "$out/http_install.log" 2>&1 || echo "!! http_install failed"
+  for model in ${MODELS//,/ }; do
+    dir=$(checkpoint "$model")
+    for n in 16 1; do bench 120 throughput --model "$dir" --max-seq-len 1024 --num-requests $n; done
+    python3 -m cg_jax serve --model "$dir" --max-seq-len 1024 --port 8123 \
+      > "$out/serve-$model.log" 2>&1 &
+    server=$!
+    for _ in $(seq 400); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
+    for n in 64 16 1; do
+      bench 120 serve --base-url http://127.0.0.1:8123/v1 --model "$dir" --num-requests $n \
+        --clients 8 --device "$device"
+    done
+    kill -TERM $server; wait $server
+  done
+fi
+if has startup; then
+  for model in ${MODELS//,/ }; do
+    bench 500 startup --model "$(checkpoint "$model")" --max-seq-len 1024 --which engine
+  done
+fi
 if has train; then
   run train 150 python3 scripts/train_default_model.py --work .train/kjv
 fi
-if has bench; then
-  rows=$out/bench.jsonl
-  bench() {  # limit, subcommand and its options (the row goes to OUT/bench.jsonl)
-    local limit=$1; shift
-    echo "=== bench $* ($(date +%T)) ==="
-    timeout "$limit" python3 -m cg_jax bench "$@" --output "$rows" 2>>"$out/bench.err" | tail -2
-  }
-  for model in ${MODELS//,/ }; do
-    bench 240 latency --model "$model" --batch 1,8 --prompt-len 512 --output-len 128 \
-      --max-seq-len 1024
-    bench 240 throughput --model "$model" --max-seq-len 1024 --num-requests 64
-    bench 240 startup --model "$model" --max-seq-len 1024 --which engine
-  done
-  if [ -d .whl ]; then
-    eval "$(bash benchmarks/http_install.sh 2>"$out/http_install.log")"
-    for model in ${MODELS//,/ }; do
-      python3 -m cg_jax serve --model "$model" --max-seq-len 1024 --port 8123 \
-        > "$out/serve-$model.log" 2>&1 &
-      server=$!
-      for _ in $(seq 400); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
-      for n in 64 16 1; do
-        bench 120 serve --base-url http://127.0.0.1:8123/v1 --model "$model" --num-requests $n \
-          --clients 8 --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-      done
-      kill -TERM $server; wait $server
-    done
-  fi
-fi
 if has attention; then run attention 200 python3 benchmarks/attention_bench.py; fi
 if has io; then run io 200 python3 benchmarks/io_bench.py; fi
-if has graphs; then
-  run graphs 300 python3 benchmarks/graphs_bench.py --attention pallas \
-    --models gpt2,llama-3.2-1b --modes full --layer-loops unroll --batches 1,8,32 --traces none
-fi
-if has tp; then  # on nvidia-h200-x2: tensor-parallel correctness and latency
-  run tp 500 python3 benchmarks/tp_bench.py
-fi
+if has tp; then run tp 500 python3 benchmarks/tp_bench.py; fi
 if has invariance; then
-  python3 benchmarks/make_checkpoints.py --out-dir /tmp/ck --models gpt2,llama-3.2-1b \
-    > "$out/checkpoints.log" 2>&1
-  echo "=== batch invariance ($(date +%T)) ==="
   models=${INVARIANCE_MODELS:-gpt2,llama-3.2-1b}
+  dirs=$(for m in ${models//,/ }; do checkpoint "$m"; done | paste -sd,)
+  echo "=== batch invariance ($(date +%T)) ==="
   timeout "${INVARIANCE_LIMIT_S:-360}" python3 benchmarks/batch_invariance_bench.py \
-    --models "$(echo ",$models" | sed 's|,|,/tmp/ck/|g; s|^,||')" \
-    --out "$out/batch_invariance.json" 2>&1 | grep -v -i warning | tail -8
+    --models "$dirs" --out "$out/batch_invariance.json" 2>&1 | grep -v -i warning | tail -8
 fi
-if has comparison; then
-  echo "=== comparison ($(date +%T)) ==="
-  python3 benchmarks/comparison_session.py --out "$out" --deadline-s "${DEADLINE_S:-540}" 2>&1 \
-    | grep -v -i warning | tail -40
-fi
-if has baselines; then
-  echo "=== baselines ($(date +%T)) ==="
-  RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-120} bash benchmarks/run_baselines.sh "$out/baselines" 2>&1 | tail -40
+if [ -f "$rows" ]; then
+  python3 benchmarks/render_results.py bench "$rows" >/dev/null 2>&1
+  cat "${rows%.jsonl}.md"
 fi

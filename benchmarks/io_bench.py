@@ -18,9 +18,10 @@ import time
 
 import jax
 import numpy as np
-from bench_util import git_commit, median_s, write_rows
+from bench_util import median_s, write_rows
 
 from cg_jax import Engine, profile
+from cg_jax.bench.rows import git_commit
 from cg_jax.core import host_io
 
 

@@ -11,7 +11,7 @@ output head to the embedding (as Llama-3.2-1B does); GPT-2 always does.
   python benchmarks/make_checkpoints.py --out-dir /tmp/cg_jax_ckpt_smoke --smoke   # tiny, CPU
 
 cg_jax loads them with `cg_jax.Engine.from_pretrained(dir, dtype="bfloat16")`, the PyTorch
-baselines (benchmarks/torch_baselines.py) with `AutoModelForCausalLM.from_pretrained(dir)`.
+peers (benchmarks/torch_peers.py) with `AutoModelForCausalLM.from_pretrained(dir)`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import zlib
 
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM)
 
 INIT_STD = 0.02
 LLAMA3_EOS = [128001, 128008, 128009]

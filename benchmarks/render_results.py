@@ -1,22 +1,24 @@
-"""Render committed GPU result rows (benchmarks/results/*.json) as the Markdown tables beside them,
-and the cg_jax-against-PyTorch comparison as a table and a PNG plot.
+"""Render committed GPU result rows (benchmarks/results/) as the Markdown tables beside them.
 
+  python benchmarks/render_results.py bench benchmarks/results/bench_h200.jsonl [more.jsonl ...]
   python benchmarks/render_results.py attention benchmarks/results/attention_h200.json
   python benchmarks/render_results.py io benchmarks/results/io_h200.json
-  python benchmarks/render_results.py dispatch benchmarks/results/dispatch_h200.json
   python benchmarks/render_results.py tp benchmarks/results/tp_h200.json
-  python benchmarks/render_results.py comparison benchmarks/results/baselines_h200.json \\
-      benchmarks/results/graphs_comparison_h200.json
 
-Each writes <first json without .json>.md (comparison: comparison_h200.md and .png; of the
-graphs files, later ones override earlier ones' rows of the same cell).
+`bench` reads `python -m cg_jax bench` rows and the peers' (benchmarks/torch_peers.py), writes
+the decode-step, `generate`, throughput, serving and start-up tables to <first file>.md and
+rewrites the README's and benchmarks/README.md's marked blocks (<!-- bench:NAME --> ...
+<!-- /bench:NAME -->) with them. The others write <json without .json>.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+
+from cg_jax.bench import rows as cg_rows
 
 HBM_TB_PER_S = 4.2
 
@@ -127,32 +129,6 @@ def io(rows: list[dict]) -> list[str]:
   return out
 
 
-def dispatch(rows: list[dict]) -> list[str]:
-  out = _header(rows, "Host dispatch of one decode step")
-  out += ["gpt2 shape, batch 1, bfloat16, unrolled layers. dispatch = host time of one step "
-          "call into an idle GPU queue (median of 16); trivial = the same for an executable with "
-          "the step's arguments and no real work; step = pipelined step time; loop = host time "
-          "of one device-loop call (K=16 tokens) into an idle queue, per token; no emitted = "
-          "dispatch of the same step returning only its donated state.", "",
-          "| variant | XLA options / flags | step us | dispatch us | trivial us | no emitted us "
-          "| loop us/token |", "|---|---|---|---|---|---|---|"]
-  for r in rows:
-    options = ", ".join(f"{k}={v}" for k, v in r.get("extra_options", {}).items())
-    options = "; ".join(x for x in (options, r.get("xla_flags", "")) if x) or "-"
-    if "error" in r:
-      out.append(f"| {r['variant']} | {options} | error: {r['error'][:120]} | | | | |")
-    else:
-      out.append(f"| {r['variant']} | {options} | {_fmt(r['step_us'])} | "
-                 f"{_fmt(r['host_dispatch_wall_us'])} | {_fmt(r['trivial_dispatch_us'])} | "
-                 f"{_fmt(r.get('no_emitted_dispatch_us'))} | "
-                 f"{_fmt(r.get('loop_dispatch_per_token_us'))} |")
-  logs = [f"- {r['variant']}: {r['command_buffer_log']}" for r in rows if r.get("command_buffer_log")]
-  if logs:
-    out += ["", "XLA's own command-buffer log (`TF_CPP_VMODULE=command_buffer_thunk=3,"
-            "command_executor=1`):", ""] + logs
-  return out
-
-
 def tensor_parallel(rows: list[dict]) -> list[str]:
   out = _header(rows, "Tensor-parallel decode step")
   out += [f"bfloat16, random weights, Pallas attention, unrolled layers, KV cache "
@@ -189,115 +165,195 @@ def tensor_parallel(rows: list[dict]) -> list[str]:
   return out
 
 
-def _cg_jax_rows(paths: list[str]) -> list[dict]:
-  """cg_jax's `full`-mode rows with its default cache write and GEMMs, later files overriding
-  earlier."""
-  rows = []
-  for path in paths:
-    for r in json.load(open(path)):
-      if (r.get("mode") == "full" and r.get("layer_loop") == "unroll"
-          and r.get("cache_write") != "scatter" and r.get("gemm", "xla") == "xla"
-          and r.get("decode_splits", "fixed") == "fixed" and r.get("decode_qkv", "xla") == "xla"
-          and r.get("decode_combine", "xla") == "xla"
-          and r.get("status") != "failed"):
-        rows.append(dict(r, system=f"cg_jax ({r.get('attention', 'xla')} attention)",
-                         max_len=r["max_seq_len"]))
-  return rows
+# ------------------------------------------------------------------------------------------------
+# `python -m cg_jax bench` rows and the peers' (benchmarks/torch_peers.py): the headline tables
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The files whose marked blocks `bench` regenerates: <!-- bench:NAME --> ... <!-- /bench:NAME -->.
+READMES = (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "README.md"))
+BLOCK = re.compile(r"(<!-- bench:(\w+) -->\n).*?(<!-- /bench:\2 -->)", re.DOTALL)
 
 
-def comparison(baseline_path: str, graph_paths: list[str], md_path: str, png_path: str):
-  baselines = [dict(r, max_len=r.get("max_len", 1024)) for r in json.load(open(baseline_path))]
-  ours = _cg_jax_rows(graph_paths)
-  rows = baselines + ours
-  floors = {(r["model"], r["max_len"], r["batch"]): r["floor_us"] for r in ours}
-  systems = sorted({r["system"] for r in rows}, key=lambda s: (not s.startswith("cg_jax"), s))
-  # (model, cache length, batch)
-  cells = sorted({(r["model"], r["max_len"], r["batch"]) for r in rows})
-  step = {(r["system"], r["model"], r["max_len"], r["batch"]): r.get("step_us") for r in rows}
-  out = _header(baselines + ours, "Decode step: cg_jax against PyTorch and HF transformers")
-  position = next((r["position"] for r in rows if r.get("position")), "-")
-  versions = sorted({f"torch {r['torch_version']}, transformers {r['transformers_version']}"
-                     for r in baselines if r.get("torch_version")})
-  out += ["bfloat16, random weights (the same files for every system), KV cache T long, decode "
-          f"at position {position}; medians; us per step (HF generate: per token); "
-          f"{'; '.join(versions) or 'no PyTorch rows'}. cg_jax: graphs `full`, unrolled layers, "
-          "pipelined steps (of the graphs files given, later ones override earlier ones' rows "
-          "per cell). floor = (weights + valid KV bytes) / 4.2 TB/s. `-` = not run (see the "
-          "JSON rows' `status` and `error`).", "",
-          "| model | T | batch | floor us | " + " | ".join(systems)
-          + " | best cg_jax vs best other |",
-          "|---|---|---|---|" + "---|" * len(systems) + "---|"]
-  for model, max_len, batch in cells:
-    values = [step.get((s, model, max_len, batch)) for s in systems]
-    ours_best = min((v for s, v in zip(systems, values) if v and s.startswith("cg_jax")),
-                    default=None)
-    other_best = min((v for s, v in zip(systems, values) if v and not s.startswith("cg_jax")),
-                     default=None)
-    ratio = "-" if not (ours_best and other_best) else f"{other_best / ours_best:.2f}x"
-    out.append(f"| {model} | {max_len} | {batch} | {_fmt(floors.get((model, max_len, batch)))} | "
-               + " | ".join(_fmt(v) for v in values) + f" | {ratio} |")
-  ttft = {(r["system"], r["model"], r["max_len"], r["batch"]): r.get("ttft_ms") for r in rows}
-  out += ["", "Time to first token (ms): prefill of a 512-token prompt per row and the first "
-          "greedy token, on the device (no host read-back); HF generate: one new token.", "",
-          "| model | T | batch | " + " | ".join(systems) + " |",
-          "|---|---|---|" + "---|" * len(systems)]
-  for model, max_len, batch in cells:
-    out.append(f"| {model} | {max_len} | {batch} | "
-               + " | ".join(_fmt(ttft.get((s, model, max_len, batch)), 2) for s in systems)
-               + " |")
-  out += ["", "Tokens per second (batch / decode step) and achieved HBM bandwidth (the floor's "
-          "bytes, weights + valid KV, over the step: TB/s, and the step as a multiple of the "
-          "floor).", "",
-          "| model | T | batch | " + " | ".join(systems) + " |",
-          "|---|---|---|" + "---|" * len(systems)]
-  for model, max_len, batch in cells:
-    floor = floors.get((model, max_len, batch))
-    entries = []
-    for system in systems:
-      step_us = step.get((system, model, max_len, batch))
-      if not step_us:
-        entries.append("-")
-        continue
-      entry = f"{batch * 1e6 / step_us:.0f} tok/s"
-      if floor:
-        entry += f", {HBM_TB_PER_S * floor / step_us:.2f} TB/s ({step_us / floor:.1f}x)"
-      entries.append(entry)
-    out.append(f"| {model} | {max_len} | {batch} | " + " | ".join(entries) + " |")
-  with open(md_path, "w") as f:
-    f.write("\n".join(out) + "\n")
+def _name(row) -> str:
+  return os.path.basename(row.model.rstrip("/"))
 
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cells)), 4.5))
-  width = 0.8 / len(systems)
-  for i, system in enumerate(systems):
-    values = [step.get((system, *cell)) or 0 for cell in cells]
-    ax.bar([c + i * width for c in range(len(cells))], values, width, label=system)
-  ax.scatter([c + 0.4 - width / 2 for c in range(len(cells))],
-             [floors.get(cell, 0) for cell in cells], marker="_", s=400, color="k",
-             label="HBM floor", zorder=3)
-  ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cells))])
-  ax.set_xticklabels([f"{m}\nT={t} B={b}" for m, t, b in cells], fontsize=7)
-  ax.set_yscale("log")
-  ax.set_ylabel("decode step (us, log)")
-  ax.set_title(f"Decode step on {baselines[0].get('gpu')}, bf16, position {position}")
-  ax.legend(fontsize=7, ncol=2)
-  fig.tight_layout()
-  fig.savefig(png_path, dpi=110)
+def _p50(row, figure: str, digits: int = 2) -> str:
+  value = row.figures.get(f"{figure}_p50", row.figures.get(figure))
+  return _fmt(value, digits)
+
+
+def _where(found) -> str:
+  """One line naming the device, versions, commits and dates of `found` rows."""
+  software = sorted({f"{k} {v}" for r in found for k, v in r.software.items()})
+  return (f"{', '.join(sorted({r.device for r in found}))}; jax "
+          f"{', '.join(sorted({r.jax for r in found}))}"
+          + (f", {', '.join(software)}" if software else "")
+          + f"; commit {', '.join(sorted({r.commit for r in found}))}; "
+          f"{', '.join(sorted({r.date for r in found}))}.")
+
+
+def _is_ours(row) -> bool:
+  return row.system == "cg_jax"
+
+
+def decode_table(found) -> list[str]:
+  """The decode step per (model, cache length, batch): cg_jax, the best peer, their ratio and
+  the HBM floor (step_bytes / 4.2 TB/s)."""
+  cells: dict[tuple, dict] = {}
+  for r in found:
+    if r.workload.get("kind") == "latency" and "step_us" in r.figures:
+      cell = (_name(r), r.workload["max_seq_len"], r.workload["batch"])
+      cells.setdefault(cell, {})[r.system] = r
+  out = ["| model | T | B | cg_jax us | best peer us | peer / cg_jax | HBM floor us "
+         "| cg_jax / floor |", "|---|---|---|---|---|---|---|---|"]
+  for (model, length, batch), systems in sorted(cells.items()):
+    ours = systems.get("cg_jax")
+    peers = [r for s, r in systems.items() if s != "cg_jax"]
+    best = min(peers, key=lambda r: r.figures["step_us"], default=None)
+    floor = (ours.figures["step_bytes"] / (HBM_TB_PER_S * 1e12) * 1e6
+             if ours and "step_bytes" in ours.figures else None)
+    step = ours.figures["step_us"] if ours else None
+    out.append(
+        f"| {model} | {length} | {batch} | {_fmt(step)} | "
+        + (f"{best.figures['step_us']:.1f} ({best.system})" if best else "-") + " | "
+        + (f"{best.figures['step_us'] / step:.2f}x" if best and step else "-")
+        + f" | {_fmt(floor)} | " + (f"{step / floor:.2f}x" if step and floor else "-") + " |")
+  return out
+
+
+def latency_table(found) -> list[str]:
+  """What one `generate` call gives each system (medians over the calls)."""
+  out = ["| model | T | B | system | TTFT ms | per token ms | tokens/s | tokens/s vs cg_jax |",
+         "|---|---|---|---|---|---|---|---|"]
+  groups: dict[tuple, list] = {}
+  for r in found:
+    if r.workload.get("kind") == "latency":
+      key = (_name(r), r.workload["max_seq_len"], r.workload["batch"])
+      groups.setdefault(key, []).append(r)
+  for (model, length, batch), group in sorted(groups.items()):
+    ours = next((r for r in group if _is_ours(r)), None)
+    for r in sorted(group, key=lambda r: (not _is_ours(r), r.system)):
+      ratio = ("-" if ours is None or r is ours else
+               f"{r.figures['tokens_per_s_p50'] / ours.figures['tokens_per_s_p50']:.2f}x")
+      out.append(f"| {model} | {length} | {batch} | {r.system} | {_p50(r, 'ttft_ms')} | "
+                 f"{_p50(r, 'tpot_ms', 3)} | {_p50(r, 'tokens_per_s', 0)} | {ratio} |")
+  return out
+
+
+def _request_key(r) -> tuple:
+  w = r.workload
+  return (_name(r), w["num_requests"], w["prompt_len"], w["output_len"], str(w["rate"]))
+
+
+def throughput_table(found) -> list[str]:
+  """Requests through each system's continuous batching, against cg_jax's."""
+  groups: dict[tuple, list] = {}
+  for r in found:
+    if r.workload.get("kind") == "throughput":
+      groups.setdefault(_request_key(r), []).append(r)
+  out = ["| model | requests | prompt tokens | output tokens | system | tokens/s | vs cg_jax "
+         "| TTFT p50 / p99 ms | TPOT p50 / p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+  for (model, count, prompt, output, _), group in sorted(groups.items()):
+    ours = next((r for r in group if _is_ours(r)), None)
+    for r in sorted(group, key=lambda r: (not _is_ours(r), r.system)):
+      f = r.figures
+      ratio = "-" if ours is None or r is ours else (
+          f"{f['tokens_per_s'] / ours.figures['tokens_per_s']:.3g}x")
+      out.append(f"| {model} | {count} | {prompt} | {output} | {r.system} | "
+                 f"{f['tokens_per_s']:.0f} | {ratio} | {_fmt(f.get('ttft_ms_p50'))} / "
+                 f"{_fmt(f.get('ttft_ms_p99'))} | {_fmt(f.get('tpot_ms_p50'), 3)} / "
+                 f"{_fmt(f.get('tpot_ms_p99'), 3)} |")
+  return out
+
+
+def serve_table(found) -> list[str]:
+  """`bench serve` against a live `serve`, beside the in-process `bench throughput` row of the
+  same requests."""
+  inside = {_request_key(r): r for r in found
+            if r.workload.get("kind") == "throughput" and _is_ours(r)}
+  out = ["| model | requests | client processes | HTTP tokens/s | in-process tokens/s | ratio "
+         "| TTFT p50 ms HTTP / in-process | TPOT p50 ms HTTP / in-process | errors |",
+         "|---|---|---|---|---|---|---|---|---|"]
+  served = [r for r in found if r.workload.get("kind") == "serve"]
+  for r in sorted(served, key=lambda r: (_name(r), -r.workload["num_requests"])):
+    base = inside.get(_request_key(r))
+    f, g = r.figures, base.figures if base else {}
+    ratio = f"{f['tokens_per_s'] / g['tokens_per_s']:.2f}x" if base else "-"
+    out.append(f"| {_name(r)} | {r.workload['num_requests']} | {r.workload.get('clients', 1)} | "
+               f"{f['tokens_per_s']:.0f} | {_fmt(g.get('tokens_per_s'), 0)} | {ratio} | "
+               f"{_fmt(f.get('ttft_ms_p50'))} / {_fmt(g.get('ttft_ms_p50'))} | "
+               f"{_fmt(f.get('tpot_ms_p50'), 3)} / {_fmt(g.get('tpot_ms_p50'), 3)} | "
+               f"{f.get('errors', 0):.0f} |")
+  return out
+
+
+def startup_table(found) -> list[str]:
+  out = ["| model | what | cache | until ready s | first answer s |", "|---|---|---|---|---|"]
+  for r in found:
+    if r.workload.get("kind") == "startup":
+      f = r.figures
+      ready = f.get("ready_s", f.get("warmup_s"))
+      out.append(f"| {_name(r)} | {r.workload['which']} | {r.workload['cache']} | "
+                 f"{_fmt(ready)} | {_fmt(f.get('first_answer_s'))} |")
+  return out
+
+
+TABLES = {"decode": decode_table, "latency": latency_table, "throughput": throughput_table,
+          "serve": serve_table, "startup": startup_table}
+
+
+def bench_blocks(found) -> dict[str, str]:
+  """Each table with rows, as a Markdown block: its source line, then the table."""
+  blocks = {}
+  for name, table in TABLES.items():
+    lines = table(found)
+    if len(lines) > 2:
+      blocks[name] = f"{_where(found)}\n\n" + "\n".join(lines) + "\n"
+  return blocks
+
+
+def replace_blocks(path: str, blocks: dict[str, str]) -> list[str]:
+  """Rewrite the marked blocks of `path` that `blocks` has; returns the names rewritten."""
+  with open(path) as f:
+    text = f.read()
+  done = []
+
+  def fill(match):
+    name = match.group(2)
+    if name not in blocks:
+      return match.group(0)
+    done.append(name)
+    return match.group(1) + blocks[name] + match.group(3)
+
+  text = BLOCK.sub(fill, text)
+  with open(path, "w") as f:
+    f.write(text)
+  return done
+
+
+def bench(paths: list[str], readmes=READMES) -> None:
+  """The tables of the rows in `paths` to <first path without .jsonl>.md and into the READMEs'
+  marked blocks."""
+  found = cg_rows.read(paths)
+  blocks = bench_blocks(found)
+  with open(os.path.splitext(paths[0])[0] + ".md", "w") as f:
+    f.write(f"# `python -m cg_jax bench` and the PyTorch / HF peers\n\nRows: "
+            f"{', '.join(os.path.basename(p) for p in paths)} (one row schema, "
+            "`cg_jax.bench.rows`). Rendered by `benchmarks/render_results.py bench`.\n")
+    for name, block in blocks.items():
+      f.write(f"\n## {name}\n\n{block}")
+  for readme in readmes:
+    print(f"{readme}: {', '.join(replace_blocks(readme, blocks)) or 'no marked block'}")
 
 
 def main(argv: list[str]) -> None:
   kind, paths = argv[0], argv[1:]
-  if kind == "comparison":
-    directory = os.path.dirname(paths[0])
-    comparison(paths[0], paths[1:], os.path.join(directory, "comparison_h200.md"),
-               os.path.join(directory, "comparison_h200.png"))
+  if kind == "bench":
+    bench(paths)
     return
   rows = json.load(open(paths[0]))
-  lines = {"attention": attention, "io": io, "dispatch": dispatch,
-           "tp": tensor_parallel}[kind](rows)
+  lines = {"attention": attention, "io": io, "tp": tensor_parallel}[kind](rows)
   with open(paths[0][:-len(".json")] + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
 

@@ -24,10 +24,10 @@ import os
 
 import jax
 import numpy as np
-from bench_util import failed_row, git_commit, relative_error, write_rows
-from graphs_bench import floor_us as one_gpu_floor_us
+from bench_util import HBM_BYTES_PER_S, failed_row, relative_error, write_rows
 
 from cg_jax import Engine, profile
+from cg_jax.bench.rows import git_commit
 from cg_jax.core.graphs import GRAPH_MODES
 
 # The `full` command types plus COLLECTIVES, as an extra per-executable option. Measured on two
@@ -47,7 +47,8 @@ VARIANTS = {"full": {}, "full+collectives": WITH_COLLECTIVES, "full+nccl-graph":
 
 def floor_us(engine: Engine, batch: int, position: int) -> float:
   """Per-device HBM floor: the one-GPU floor over the devices."""
-  return one_gpu_floor_us(engine, batch, position) / engine.config.tensor_parallel
+  one_gpu = profile.decode_bytes(engine, batch, position) / HBM_BYTES_PER_S * 1e6
+  return one_gpu / engine.config.tensor_parallel
 
 
 def ttft_ms(engine: Engine, length: int, batches: list[int]) -> dict[str, float]:

@@ -12,7 +12,7 @@ counters of those (`GPU_COUNTERS`) are zeros that mean nothing, and
 `LaunchReport.as_dict(gpu_counters=False)` gives them as None.
 
 `time_decode(engine, batch)` times steps with the token fed back on the device (pipelined) or
-read back to the host each step.
+read back to the host each step; `decode_bytes` is the least a step must read (its HBM floor).
 """
 
 from __future__ import annotations
@@ -236,6 +236,16 @@ def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
   elapsed = time.perf_counter() - start
   holder.set(cache)
   return elapsed, dispatch
+
+
+def decode_bytes(engine, batch: int, position: int) -> int:
+  """The bytes a decode step of `batch` rows at `position` must read at least: every weight once
+  and each row's valid K and V (`position` + 1 tokens, the new one included), in the engine's
+  dtype. Its HBM floor is these bytes over the device's copy bandwidth."""
+  c = engine.model_config
+  kv_tokens = batch * (position + 1)
+  kv_values = 2 * c.num_layers * kv_tokens * c.num_kv_heads * c.head_dim
+  return (c.num_parameters() + kv_values) * engine.dtype.itemsize
 
 
 def time_decode(engine, batch: int, *, position: int = 512, steps: int = 64, repeats: int = 7,

@@ -10,6 +10,7 @@ import pytest
 
 from cg_jax import cli
 from cg_jax.bench import rows
+from models.config import PRESETS
 
 MODEL = "tiny-llama"
 ENGINE = ["--model", MODEL, "--max-seq-len", "32"]
@@ -47,9 +48,14 @@ def test_latency_rows_and_table(capsys, tmp_path):
   assert [r.workload["batch"] for r in found] == [1, 2]
   for row in found:
     _check_schema(row, "latency")
-    assert row.workload == dict(kind="latency", batch=row.workload["batch"], prompt_len=12,
-                                output_len=8, repeats=3, dtype="float32")
+    batch = row.workload["batch"]
+    assert row.workload == dict(kind="latency", batch=batch, prompt_len=12, output_len=8,
+                                repeats=3, dtype="float32", max_seq_len=32)
     f = row.figures
+    # The step at position 12 + 8 // 2 reads every float32 weight and 17 tokens of K and V a row.
+    c = PRESETS[MODEL]
+    kv_values = 2 * c.num_layers * batch * 17 * c.num_kv_heads * c.head_dim
+    assert f["step_bytes"] == 4 * (c.num_parameters() + kv_values)
     for name in ("ttft_ms", "ttft_last_ms", "tpot_ms", "tokens_per_s"):
       assert 0 < f[f"{name}_p50"] <= f[f"{name}_p90"] <= f[f"{name}_p99"], (name, f)
     assert f["ttft_last_ms_p50"] >= f["ttft_ms_p50"] and f["step_us"] > 0

@@ -1,5 +1,6 @@
-"""The result renderers (benchmarks/render_results.py): the comparison's ratios, tokens/s and
-achieved bandwidth, which cg_jax rows it takes, the tensor-parallel ratios against the same
+"""The result renderers (benchmarks/render_results.py): the bench tables (best peer and HBM floor
+of the decode step, ratios against cg_jax, serve rows beside the in-process rows of the same
+requests) and the README blocks they rewrite, the tensor-parallel ratios against the same
 commit's one-GPU row, and the decode-step attention table."""
 
 import json
@@ -8,8 +9,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
-import pytest  # noqa: E402
 import render_results  # noqa: E402
+
+from cg_jax.bench import rows  # noqa: E402
 
 
 def _write(path, rows):
@@ -17,31 +19,64 @@ def _write(path, rows):
   return str(path)
 
 
-def test_comparison_ratios_throughput_and_the_rows_it_takes(tmp_path):
-  pytest.importorskip("matplotlib")  # the plot (the notebooks extra)
-  base = dict(model="m", max_len=1024, batch=8, gpu="H200", position=512, commit="c",
-              date="d", torch_version="2.x", transformers_version="5.x")
-  baselines = [dict(base, system="torch_compile", step_us=400.0, ttft_ms=2.0),
-               dict(base, system="torch_eager", step_us=1000.0, ttft_ms=3.0)]
-  ours = dict(base, system="cg_jax", mode="full", layer_loop="unroll", attention="pallas",
-              max_seq_len=1024, floor_us=100.0, ttft_ms=1.5, jax_version="0.11.2")
-  graphs = [dict(ours, step_us=200.0),
-            # not the default configuration: left out of the table
-            dict(ours, step_us=50.0, cache_write="scatter"),
-            dict(ours, step_us=60.0, gemm="cublas"),
-            dict(ours, step_us=70.0, decode_splits="length"),
-            dict(ours, step_us=80.0, decode_qkv="kernel"),
-            dict(ours, step_us=90.0, decode_combine="pallas")]
-  md, png = tmp_path / "c.md", tmp_path / "c.png"
-  render_results.comparison(_write(tmp_path / "b.json", baselines),
-                            [_write(tmp_path / "g.json", graphs)], str(md), str(png))
-  text = md.read_text()
-  assert "| m | 1024 | 8 | 100.0 | 200.0 | 400.0 | 1000.0 | 2.00x |" in text
-  # 8 rows / 200 us; the floor's bytes (100 us at 4.2 TB/s) over 200 us
-  assert "40000 tok/s, 2.10 TB/s (2.0x)" in text
-  assert "20000 tok/s, 1.05 TB/s (4.0x)" in text
-  assert "torch 2.x, transformers 5.x" in text
-  assert png.stat().st_size > 0
+def _row(system, workload, figures, **where):
+  return rows.Row(system=system, model="/ck/m", workload=workload, figures=figures,
+                  device="H200", jax="0.11.2", commit=where.get("commit", "c"), date="d",
+                  software=where.get("software", {}))
+
+
+def _bench_rows():
+  lat = dict(kind="latency", prompt_len=512, output_len=128, repeats=5, dtype="bfloat16",
+             max_seq_len=1024)
+  torch_versions = {"torch": "2.x"}
+  thr = dict(kind="throughput", num_requests=64, prompt_len="64:480", output_len=128,
+             rate="inf", seed=0, dtype="bfloat16")
+  return [
+      _row("cg_jax", dict(lat, batch=8), dict(step_us=200.0, step_bytes=420e6, ttft_ms_p50=4.0,
+                                              tpot_ms_p50=0.21, tokens_per_s_p50=30000.0)),
+      _row("torch_compile", dict(lat, batch=8), dict(step_us=500.0, ttft_ms_p50=3.0,
+                                                     tpot_ms_p50=0.5, tokens_per_s_p50=15000.0),
+           software=torch_versions),
+      _row("torch_gptfast", dict(lat, batch=8), dict(step_us=400.0, ttft_ms_p50=5.0,
+                                                     tpot_ms_p50=0.4, tokens_per_s_p50=18000.0),
+           software=torch_versions),
+      _row("cg_jax", thr, dict(tokens_per_s=20000.0, ttft_ms_p50=100.0, ttft_ms_p99=200.0,
+                               tpot_ms_p50=1.5, tpot_ms_p99=1.7)),
+      _row("hf_continuous", thr, dict(tokens_per_s=800.0), software=torch_versions),
+      _row("cg_jax", dict(kind="serve", num_requests=64, prompt_len="64:480", output_len=128,
+                          rate="inf", seed=0, clients=8, max_concurrency=None, host="127.0.0.1"),
+           dict(tokens_per_s=19000.0, ttft_ms_p50=120.0, tpot_ms_p50=1.6, errors=0.0)),
+  ]
+
+
+def test_bench_tables_ratios_floor_and_pairings():
+  blocks = render_results.bench_blocks(_bench_rows())
+  assert set(blocks) == {"decode", "latency", "throughput", "serve"}  # no startup rows
+  # best peer torch_gptfast 400 / 200; floor 420 MB / 4.2 TB/s = 100 us, 200 us = 2x it
+  assert "| m | 1024 | 8 | 200.0 | 400.0 (torch_gptfast) | 2.00x | 100.0 | 2.00x |" in (
+      blocks["decode"])
+  assert "| m | 1024 | 8 | torch_gptfast | 5.00 | 0.400 | 18000 | 0.60x |" in blocks["latency"]
+  assert blocks["latency"].index("| cg_jax |") < blocks["latency"].index("| torch_compile |")
+  assert "| hf_continuous | 800 | 0.04x |" in blocks["throughput"]
+  # the serve row beside the in-process row of the same requests
+  assert "| m | 64 | 8 | 19000 | 20000 | 0.95x | 120.0 / 100.0 | 1.600 / 1.500 | 0 |" in (
+      blocks["serve"])
+  assert blocks["decode"].startswith("H200; jax 0.11.2, torch 2.x; commit c; d.")
+
+
+def test_bench_rewrites_only_the_marked_blocks(tmp_path):
+  source = tmp_path / "rows.jsonl"
+  rows.write(str(source), _bench_rows())
+  readme = tmp_path / "README.md"
+  readme.write_text("intro\n<!-- bench:decode -->\nold table\n<!-- /bench:decode -->\nmiddle\n"
+                    "<!-- bench:nothing -->\nkept\n<!-- /bench:nothing -->\nend\n")
+  render_results.bench([str(source)], readmes=[str(readme)])
+  text = readme.read_text()
+  assert "old table" not in text and "| m | 1024 | 8 | 200.0 |" in text
+  assert text.startswith("intro\n<!-- bench:decode -->\nH200;") and "middle\n" in text
+  assert "<!-- bench:nothing -->\nkept\n<!-- /bench:nothing -->\nend\n" in text
+  rendered = (tmp_path / "rows.md").read_text()
+  assert "## serve" in rendered and "## decode" in rendered
 
 
 def test_tensor_parallel_ratio_uses_the_same_commits_one_gpu_row():

@@ -10,8 +10,11 @@ cache never serves them. Figures, as percentiles over the repeats, from each cal
 `result.stats`: `ttft_ms` (the batch's first token), `ttft_last_ms` (the last row's first token),
 `tpot_ms` (per output token after the first, of the longest row) and `tokens_per_s` (all output
 tokens over the call's wall time). Unless `--no-step-time`, `step_us` is the decode step's time at
-batch size, from `cg_jax.profile.time_decode` (back-to-back steps at a position mid-output,
-after all the calls: it overwrites the KV cache).
+batch size, from `cg_jax.profile.time_decode` (back-to-back steps at `step_position`, mid-output,
+after all the calls: it overwrites the KV cache), and `step_bytes` the bytes that step must read
+at least (`cg_jax.profile.decode_bytes`: its HBM floor is step_bytes / bandwidth).
+
+`workload` and `figures` make the rows, so the PyTorch peers in benchmarks/ write the same ones.
 """
 
 from __future__ import annotations
@@ -96,19 +99,37 @@ def _measure(args, engine: Engine, batches: list[int], prompt_len: int, output_l
         stats.append(call(batch))
         bar.update()
       found.append(stats)
-  position = min(prompt_len + output_len // 2, max_seq_len - 2)
+  position = step_position(prompt_len, output_len, max_seq_len)
   result = []
   for batch, stats in zip(batches, found):
-    figures = {
-        **rows.percentiles("ttft_ms", [s["ttft_s"] * 1e3 for s in stats]),
-        **rows.percentiles("ttft_last_ms", [s["ttft_s_last"] * 1e3 for s in stats]),
-        **rows.percentiles("tpot_ms", [s["per_token_s"] * 1e3 for s in stats]),
-        **rows.percentiles("tokens_per_s", [s["tokens_per_s"] for s in stats]),
-    }
+    values = figures(stats)
     if args.step_time:
       timing = profile.time_decode(engine, batch, position=position, steps=16, repeats=3)
-      figures["step_us"] = timing["step_us"]
-    workload = dict(kind="latency", batch=batch, prompt_len=prompt_len, output_len=output_len,
-                    repeats=repeats, dtype=engine.dtype.name)
-    result.append(options.row(args, workload, figures))
+      values["step_us"] = timing["step_us"]
+      values["step_bytes"] = profile.decode_bytes(engine, batch, position)
+    result.append(options.row(args, workload(batch, prompt_len, output_len, repeats,
+                                             engine.dtype.name, max_seq_len), values))
   return result
+
+
+def step_position(prompt_len: int, output_len: int, max_seq_len: int) -> int:
+  """Where `step_us` is timed: mid-output (the average step of a call), inside the cache."""
+  return min(prompt_len + output_len // 2, max_seq_len - 2)
+
+
+def workload(batch: int, prompt_len: int, output_len: int, repeats: int, dtype: str,
+             max_seq_len: int) -> dict:
+  """A latency row's workload."""
+  return dict(kind="latency", batch=batch, prompt_len=prompt_len, output_len=output_len,
+              repeats=repeats, dtype=dtype, max_seq_len=max_seq_len)
+
+
+def figures(stats: list[dict]) -> dict[str, float]:
+  """Percentiles over calls of their `result.stats` (ttft_s, ttft_s_last, per_token_s,
+  tokens_per_s), in the figures' units."""
+  return {
+      **rows.percentiles("ttft_ms", [s["ttft_s"] * 1e3 for s in stats]),
+      **rows.percentiles("ttft_last_ms", [s["ttft_s_last"] * 1e3 for s in stats]),
+      **rows.percentiles("tpot_ms", [s["per_token_s"] * 1e3 for s in stats]),
+      **rows.percentiles("tokens_per_s", [s["tokens_per_s"] for s in stats]),
+  }

@@ -5,7 +5,8 @@ field name.
 A row names the system that ran, the model, the workload (what was asked: kind, batch, prompt
 and output lengths, request count, arrival rate, ...), the figures measured (flat name -> float:
 `ttft_ms_p50`, `tpot_ms_p50`, `tokens_per_s`, ...; times in the unit their name ends with) and
-where: device, jax version, commit, date. Percentile figures are named `<figure>_p<q>`.
+where: device, jax version, commit, date; `software` names other versions that ran (a peer's
+torch and transformers). Percentile figures are named `<figure>_p<q>`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Row:
   commit: str
   date: str
   schema: int = SCHEMA
+  software: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -116,40 +116,63 @@ def run(args) -> list[rows.Row]:
     engine.close()
 
 
+def requests(count: int, lengths: tuple[int, int], per_s: float, seed: int, vocab_size: int) -> tuple[list[list[int]], np.ndarray, list[list[int]]]:
+  """The workload's measured prompts (count x [n], n drawn from the inclusive `lengths`), their
+  arrival times ([count] seconds from the first; all zero at an infinite rate) and the prompts
+  of the unmeasured pass before them (the same lengths, other tokens), from `seed`."""
+  low, high = lengths
+  rng = np.random.default_rng(seed)
+  sizes = rng.integers(low, high + 1, count)  # [count]
+  prompts = [rng.integers(0, vocab_size, int(n)).tolist() for n in sizes]  # count x [n]
+  gaps = rng.exponential(1 / per_s, count) if math.isfinite(per_s) else np.zeros(count)
+  arrivals = np.concatenate([[0.0], np.cumsum(gaps[1:])])  # [count]
+  unmeasured = [rng.integers(0, vocab_size, int(n)).tolist() for n in sizes]  # count x [n]
+  return prompts, arrivals, unmeasured
+
+
+def workload(count: int, lengths: tuple[int, int], output_len: int, per_s: float, seed: int,
+             dtype: str) -> dict:
+  """A throughput row's workload."""
+  low, high = lengths
+  return dict(kind="throughput", num_requests=count,
+              prompt_len=str(low) if low == high else f"{low}:{high}", output_len=output_len,
+              rate=per_s if math.isfinite(per_s) else "inf", seed=seed, dtype=dtype)
+
+
+def figures(submitted: list[float], first: list[float], finished: list[float],
+            tokens: list[int]) -> dict[str, float]:
+  """The figures of requests from their submit, first-token and finish times (perf_counter
+  seconds) and token counts: wall time from the first submit to the last finish."""
+  wall = max(finished) - min(submitted)
+  count = len(tokens)
+  return {
+      "tokens_per_s": sum(tokens) / wall, "requests_per_s": count / wall,
+      "output_tokens": sum(tokens),
+      **rows.percentiles("ttft_ms", [(f - s) * 1e3 for s, f in zip(submitted, first)]),
+      **rows.percentiles("tpot_ms", [(e - f) / (n - 1) * 1e3
+                                     for f, e, n in zip(first, finished, tokens) if n > 1]),
+      **rows.percentiles("e2e_ms", [(e - s) * 1e3 for s, e in zip(submitted, finished)],
+                         (50, 99)),
+  }
+
+
 def _measure(args, engine: Engine, count: int, lengths: tuple[int, int], output_len: int,
              per_s: float) -> list[rows.Row]:
-  low, high = lengths
-  options.fits(high, output_len, engine.config.max_seq_len)
-  rng = np.random.default_rng(args.seed)
-  vocab = engine.model_config.vocab_size
-  sizes = rng.integers(low, high + 1, count)  # [count]
-  prompts = [rng.integers(0, vocab, int(n)).tolist() for n in sizes]  # count x [n]
-  gaps = rng.exponential(1 / per_s, count) if math.isfinite(per_s) else np.zeros(count)
-  arrivals = np.concatenate([[0.0], np.cumsum(gaps[1:])])  # [count] seconds from the first
+  options.fits(lengths[1], output_len, engine.config.max_seq_len)
+  prompts, arrivals, unmeasured = requests(count, lengths, per_s, args.seed,
+                                           engine.model_config.vocab_size)
   engine.warmup()
   # An unmeasured pass of the same shapes first (other prompts, all at once): the first pass
   # after warm-up is slower (benchmarks/results/bench_h200.md), start-up, not steady state.
-  unmeasured = [rng.integers(0, vocab, int(n)).tolist() for n in sizes]  # count x [n]
   _send(engine, unmeasured, np.zeros(count), output_len, "unmeasured pass")
-  requests = _send(engine, prompts, arrivals, output_len, "throughput")
-  for i, request in enumerate(requests):
+  sent = _send(engine, prompts, arrivals, output_len, "throughput")
+  for i, request in enumerate(sent):
     if request.error is not None:
       raise RuntimeError(f"request {i} failed: {request.error!r}") from request.error
     if request.tokens != output_len:
       raise RuntimeError(f"request {i} made {request.tokens} tokens, not --output-len "
                          f"{output_len}")
-  wall = max(r.finished for r in requests) - requests[0].submitted
-  tokens = sum(r.tokens for r in requests)
-  figures = {
-      "tokens_per_s": tokens / wall, "requests_per_s": count / wall, "output_tokens": tokens,
-      **rows.percentiles("ttft_ms", [(r.first - r.submitted) * 1e3 for r in requests]),
-      **rows.percentiles("tpot_ms", [(r.finished - r.first) / (r.tokens - 1) * 1e3
-                                     for r in requests if r.tokens > 1]),
-      **rows.percentiles("e2e_ms", [(r.finished - r.submitted) * 1e3 for r in requests],
-                         (50, 99)),
-  }
-  workload = dict(kind="throughput", num_requests=count,
-                  prompt_len=str(low) if low == high else f"{low}:{high}", output_len=output_len,
-                  rate=per_s if math.isfinite(per_s) else "inf", seed=args.seed,
-                  dtype=engine.dtype.name)
-  return [options.row(args, workload, figures)]
+  values = figures([r.submitted for r in sent], [r.first for r in sent],
+                   [r.finished for r in sent], [r.tokens for r in sent])
+  return [options.row(args, workload(count, lengths, output_len, per_s, args.seed,
+                                     engine.dtype.name), values)]
