@@ -7,7 +7,8 @@
 #               (make_checkpoints.py) that every system loads: `python -m cg_jax bench latency`
 #               (BATCHES, default 1,8,32; prompts of 512, 128 new tokens, cache 1024) and the
 #               peers torch_compile and torch_gptfast with the same options (torch_peers.py);
-#               `bench throughput` and hf_continuous on 64 requests at once (THROUGHPUT=0: not)
+#               `bench throughput` and hf_continuous on 64 requests at once. LATENCY_SYSTEMS and
+#               THROUGHPUT_SYSTEMS (comma lists) choose among these (empty: none)
 #   serve       for each of MODELS: `bench throughput` at 16 and 1 requests, then
 #               `python -m cg_jax serve` and `bench serve --clients 8` at 64, 16 and 1 requests
 #               (needs .whl carried: the offline install below)
@@ -33,6 +34,8 @@ out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
 parts=${2:-bench}
 MODELS=${MODELS:-llama-3.2-1b}
 BATCHES=${BATCHES:-1,8,32}
+LATENCY_SYSTEMS=${LATENCY_SYSTEMS-cg_jax,torch_compile,torch_gptfast}
+THROUGHPUT_SYSTEMS=${THROUGHPUT_SYSTEMS-cg_jax,hf_continuous}
 CKPT=${CKPT:-/tmp/cg_jax_ckpt}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
@@ -90,15 +93,21 @@ latency=(--prompt-len 512 --output-len 128 --max-seq-len 1024)
 if has bench; then
   for model in ${MODELS//,/ }; do
     dir=$(checkpoint "$model")
-    bench 240 latency --model "$dir" --batch "$BATCHES" "${latency[@]}"
-    for system in torch_compile torch_gptfast; do
-      peer 240 latency --system "$system" --model "$dir" --batch "$BATCHES" "${latency[@]}"
+    for system in ${LATENCY_SYSTEMS//,/ }; do
+      if [ "$system" = cg_jax ]; then
+        bench 240 latency --model "$dir" --batch "$BATCHES" "${latency[@]}"
+      else
+        peer 300 latency --system "$system" --model "$dir" --batch "$BATCHES" "${latency[@]}"
+      fi
     done
-    if [ "${THROUGHPUT:-1}" != 0 ]; then
-      bench 300 throughput --model "$dir" --max-seq-len 1024 --num-requests 64
-      peer 120 throughput --system hf_continuous --model "$dir" --max-seq-len 1024 \
-        --num-requests 64
-    fi
+    for system in ${THROUGHPUT_SYSTEMS//,/ }; do
+      if [ "$system" = cg_jax ]; then
+        bench 300 throughput --model "$dir" --max-seq-len 1024 --num-requests 64
+      else
+        peer 120 throughput --system "$system" --model "$dir" --max-seq-len 1024 \
+          --num-requests 64
+      fi
+    done
   done
 fi
 if has serve; then

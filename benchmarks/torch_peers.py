@@ -444,6 +444,9 @@ class StaticHF:
     self.cache = StaticCache(config=model.config, max_cache_len=max_len)
     self.kwargs = {_cache_keyword(model): self.cache}
     self.positions = torch.zeros((batch, 1), dtype=torch.int64, device=model.device)
+    # The cache allocates itself on its first forward: eagerly here, so its tensors get static
+    # addresses (allocated inside a compiled call, they are mutated inputs: no CUDA graphs).
+    self.prefill_eager(torch.zeros((batch, 1), dtype=torch.int64, device=model.device))
     self._prefill, self._step = self.prefill_eager, self.step_eager
     if compiled:
       self._prefill = torch.compile(self.prefill_eager, fullgraph=True)
@@ -627,6 +630,7 @@ def run_latency(setup: Setup) -> list[rows.Row]:
     compile_start = time.perf_counter()
     made, _ = generate(system, prompt(), output_len)  # compiles; unmeasured
     compile_s = time.perf_counter() - compile_start
+    print(f"  batch {batch}: compiled and warm in {compile_s:.1f} s", flush=True)
     if made.shape != (batch, output_len):
       raise RuntimeError(f"{args.system} made {tuple(made.shape)} tokens, not "
                          f"({batch}, {output_len})")
