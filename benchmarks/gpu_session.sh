@@ -36,6 +36,7 @@ MODELS=${MODELS:-llama-3.2-1b}
 BATCHES=${BATCHES:-1,8,32}
 LATENCY_SYSTEMS=${LATENCY_SYSTEMS-cg_jax,torch_compile,torch_gptfast}
 THROUGHPUT_SYSTEMS=${THROUGHPUT_SYSTEMS-cg_jax,hf_continuous}
+PEER_LIMIT_S=${PEER_LIMIT_S:-300}  # per latency peer and model
 CKPT=${CKPT:-/tmp/cg_jax_ckpt}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
@@ -53,10 +54,11 @@ bench() {  # limit, `cg_jax bench` subcommand and its options (rows to OUT/bench
   timeout "$limit" python3 -m cg_jax bench "$@" --output "$rows" 2>>"$out/bench.err" | tail -1
 }
 peer() {  # limit, torch_peers.py subcommand and its options (rows to OUT/bench.jsonl)
+  # A peer past its limit gets SIGABRT: faulthandler writes its Python stacks to peers.err.
   local limit=$1; shift
   echo "=== peer $* ($(date +%T)) ==="
-  timeout "$limit" python3 benchmarks/torch_peers.py "$@" --output "$rows" \
-    2>>"$out/peers.err" | grep -E '^  batch |^\| (torch|hf)'
+  timeout -s ABRT "$limit" python3 -X faulthandler benchmarks/torch_peers.py "$@" \
+    --output "$rows" 2>>"$out/peers.err" | grep --line-buffered -E '^  batch |^\| (torch|hf)'
 }
 checkpoint() {  # model -> its directory under CKPT (written once)
   [ -f "$CKPT/$1/config.json" ] || python3 benchmarks/make_checkpoints.py --out-dir "$CKPT" \
@@ -97,7 +99,8 @@ if has bench; then
       if [ "$system" = cg_jax ]; then
         bench 240 latency --model "$dir" --batch "$BATCHES" "${latency[@]}"
       else
-        peer 300 latency --system "$system" --model "$dir" --batch "$BATCHES" "${latency[@]}"
+        peer "$PEER_LIMIT_S" latency --system "$system" --model "$dir" --batch "$BATCHES" \
+          "${latency[@]}"
       fi
     done
     for system in ${THROUGHPUT_SYSTEMS//,/ }; do
