@@ -269,15 +269,15 @@ def throughput_table(found) -> list[str]:
 
 def serve_table(found) -> list[str]:
   """`bench serve` against a live `serve`, beside the in-process `bench throughput` row of the
-  same requests."""
-  inside = {_request_key(r): r for r in found
+  same requests at the same commit (the same run)."""
+  inside = {(_request_key(r), r.commit): r for r in found
             if r.workload.get("kind") == "throughput" and _is_ours(r)}
   out = ["| model | requests | client processes | HTTP tokens/s | in-process tokens/s | ratio "
          "| TTFT p50 ms HTTP / in-process | TPOT p50 ms HTTP / in-process | errors |",
          "|---|---|---|---|---|---|---|---|---|"]
   served = [r for r in found if r.workload.get("kind") == "serve"]
   for r in sorted(served, key=lambda r: (_name(r), -r.workload["num_requests"])):
-    base = inside.get(_request_key(r))
+    base = inside.get((_request_key(r), r.commit))
     f, g = r.figures, base.figures if base else {}
     ratio = f"{f['tokens_per_s'] / g['tokens_per_s']:.2f}x" if base else "-"
     out.append(f"| {_name(r)} | {r.workload['num_requests']} | {r.workload.get('clients', 1)} | "

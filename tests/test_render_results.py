@@ -3,6 +3,7 @@ of the decode step, ratios against cg_jax, serve rows beside the in-process rows
 requests) and the README blocks they rewrite, the tensor-parallel ratios against the same
 commit's one-GPU row, and the decode-step attention table."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -58,9 +59,13 @@ def test_bench_tables_ratios_floor_and_pairings():
   assert "| m | 1024 | 8 | torch_gptfast | 5.00 | 0.400 | 18000 | 0.60x |" in blocks["latency"]
   assert blocks["latency"].index("| cg_jax |") < blocks["latency"].index("| torch_compile |")
   assert "| hf_continuous | 800 | 0.04x |" in blocks["throughput"]
-  # the serve row beside the in-process row of the same requests
+  # the serve row beside the in-process row of the same requests at its commit
   assert "| m | 64 | 8 | 19000 | 20000 | 0.95x | 120.0 / 100.0 | 1.600 / 1.500 | 0 |" in (
       blocks["serve"])
+  serve = _bench_rows()[-1]
+  later = dataclasses.replace(serve, commit="later")
+  assert "| m | 64 | 8 | 19000 | - | - | 120.0 / - |" in render_results.bench_blocks(
+      _bench_rows()[:-1] + [later])["serve"]
   assert blocks["decode"].startswith("H200; jax 0.11.2, torch 2.x; commit c; d.")
 
 
