@@ -1,36 +1,11 @@
-"""The prefix cache's index: chained block digests, the longest cached prefix (never the last
-token), least-recently-used eviction (a prefix's later blocks first), counters."""
+"""The prefix cache's index: the longest cached prefix (never the last token), least-recently-used
+eviction (a prefix's later blocks first), counters."""
 
 import pytest
 
-from cg_jax.core import prefix_cache
 from cg_jax.core.config import EngineConfig
-from cg_jax.core.prefix_cache import PrefixIndex, block_digests
+from cg_jax.core.prefix_cache import PrefixIndex
 from models.config import PRESETS
-
-
-def test_digests_chain_over_the_prefix():
-  a = list(block_digests([1, 2, 3, 4, 5, 6, 7], 3))
-  assert len(a) == 2  # full blocks only
-  assert list(block_digests([1, 2, 3, 4, 5, 6], 3)) == a
-  # The same second block after another first block has another digest.
-  assert list(block_digests([9, 2, 3, 4, 5, 6], 3))[1] != a[1]
-  assert next(block_digests([1, 2, 3, 4, 5, 0], 3)) == a[0]
-
-
-def test_a_lookup_hashes_only_up_to_its_first_miss(monkeypatch):
-  index = PrefixIndex(blocks=8, block=4)
-  prompt = list(range(10, 42))  # 8 blocks
-  index.insert(prompt[:8])
-  calls = []
-  real = prefix_cache.hashlib.blake2b
-  monkeypatch.setattr(prefix_cache.hashlib, "blake2b",
-                      lambda *a, **k: calls.append(1) or real(*a, **k))
-  assert index.lookup(prompt) == [0, 1]
-  assert len(calls) == 3  # two hits, then the miss
-  calls.clear()
-  assert index.lookup([99] + prompt) == []
-  assert len(calls) == 1
 
 
 def test_lookup_finds_the_longest_prefix_but_not_the_last_token():

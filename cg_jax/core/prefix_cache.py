@@ -16,20 +16,9 @@ back to its start, so a prefix's later blocks go before its earlier ones.
 from __future__ import annotations
 
 import collections
-import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-import numpy as np
-
-
-def block_digests(prompt: Sequence[int], block: int) -> Iterator[bytes]:
-  """The chained digest of each full block of `prompt`, in order (lazily: a lookup that misses
-  its first block hashes one block, not the whole prompt)."""
-  data = np.asarray(prompt, np.int32).tobytes()
-  width, previous = block * 4, b""
-  for start in range(0, len(data) - width + 1, width):
-    previous = hashlib.blake2b(previous + data[start:start + width], digest_size=16).digest()
-    yield previous
+from cg_jax.core.block_pool import block_digests
 
 
 class PrefixIndex:
