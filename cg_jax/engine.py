@@ -61,15 +61,6 @@ def _device_memory_bytes(device) -> int | None:
     return None
 
 
-def _params(params: SamplingParams | None, max_new_tokens: int | None,
-            sampling: dict[str, Any]) -> SamplingParams:
-  """The request's `SamplingParams`: `params`, or one built from the keywords (a positional
-  max_new_tokens among them); both at once are a TypeError naming both."""
-  if max_new_tokens is not None:
-    sampling = dict(sampling, max_new_tokens=max_new_tokens)
-  return SamplingParams.of(params, sampling, "generate()")
-
-
 class Engine:
   """Bucketed, ahead-of-time compiled decoder inference.
 
@@ -308,7 +299,7 @@ class Engine:
     """Validate a request on the host without running it (nothing touches the device); raises
     the ValueError / TypeError that `generate` would (a bad sampling value: a `ParamError`
     naming it)."""
-    params = _params(params, max_new_tokens, sampling)
+    params = SamplingParams.of(params, sampling, "generate()", max_new_tokens)
     return validation.request(
         self._encode(inputs), params,
         vocab_size=self.model_config.vocab_size, max_seq_len=self.config.max_seq_len,

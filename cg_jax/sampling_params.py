@@ -175,10 +175,13 @@ class SamplingParams:
 
   @classmethod
   def of(cls, params: SamplingParams | None, keywords: Mapping[str, Any],
-         where: str = "generate()") -> SamplingParams:
+         where: str = "generate()", max_new_tokens: int | None = None) -> SamplingParams:
     """The params of a call that takes either `params` or the fields as keywords (`where` names
-    the call in errors): unknown keywords are a TypeError saying what to use instead
-    (`validation.FOREIGN_NAMES`), and so are both forms at once."""
+    the call in errors; a positional `max_new_tokens` counts as one of the keywords): unknown
+    keywords are a TypeError saying what to use instead (`validation.FOREIGN_NAMES`), and so are
+    both forms at once."""
+    if max_new_tokens is not None:
+      keywords = dict(keywords, max_new_tokens=max_new_tokens)
     names = {field.name for field in dataclasses.fields(cls)}
     reject_unknown(where, {k: v for k, v in keywords.items() if k not in names})
     if params is None:

@@ -156,10 +156,9 @@ class CoreClient:
     """Queue one request (token ids) in the core; as `Engine.submit`."""
     if self.failure is not None:
       raise CoreDied(self.failure)
-    if max_new_tokens is not None:
-      sampling = dict(sampling, max_new_tokens=max_new_tokens)
     model, limits = self.model_config, self.config
-    request = validation.request([list(prompt)], SamplingParams.of(params, sampling, "submit()"),
+    params = SamplingParams.of(params, sampling, "submit()", max_new_tokens)
+    request = validation.request([list(prompt)], params,
                                  vocab_size=model.vocab_size, max_seq_len=limits.max_seq_len,
                                  default_eos=model.eos_token_id,
                                  has_tokenizer=self.tokenizer is not None)
