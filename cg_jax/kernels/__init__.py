@@ -1,13 +1,14 @@
 """Pallas kernels, one per module, each with its block config, an `interpret` flag (CPU tests)
 and a plain-jnp reference.
 
-Lowering: both kernels lower through Pallas's Triton backend on the GPU, selected by passing
+Lowering: the kernels lower through Pallas's Triton backend on the GPU, selected by passing
 `pltriton.CompilerParams` explicitly (the default GPU backend differs between jax versions):
 
 | module | kernel | GPU lowering |
 |---|---|---|
 | `decode_attention` | flash-decoding over the KV cache, fused cache write | Triton |
 | `flash_attention` | causal prefill attention | Triton |
+| `ragged_paged_attention` | a flat batch of decode rows and prefill chunks over a paged KV cache, fused cache write | Triton |
 
 jax 0.11 deprecated the Triton backend and jax 0.12 warns (`DeprecationWarning: The Pallas
 Triton backend is deprecated and will be removed in a future JAX version`) on every lowering;

@@ -1,0 +1,424 @@
+"""Ragged paged attention: one kernel for a flat batch of query tokens from many sequences over a
+paged KV cache, with the new tokens' keys and values written into their pages (Pallas, Triton).
+
+The batch is A query tokens laid end to end: sequence r owns tokens
+query_starts[r] .. query_starts[r + 1] - 1 (a decode row has one, a prefill chunk many; tokens
+past query_starts[R] are padding). Its cache holds seq_lens[r] positions after this call, the
+query tokens being the last of them, so query token i sits at position
+seq_lens[r] - q_len + i and attends causally to positions 0 .. its own. Position p of
+sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cache
+[L, M, C, K, H] (one layer of it is attended, `layer`).
+
+  1. Tiles. Each sequence's query tokens are cut into tiles of Q tokens (a tile never holds two
+     sequences; `tile_layout`, plain jnp). One Triton program runs per (tile, KV head, split):
+     its rows are the tile's Q tokens x the G_pad query heads of one KV group, one [Q G_pad, H]
+     tile, so each key/value block it loads serves all of them (GQA without repeating K/V).
+  2. Keys. A program walks its split of the positions below the tile's last position in blocks
+     of `block_k` keys (a divisor of C, so a block lies in one page) with an online softmax.
+     Keys before the sequence's first query position come from the pages; the query tokens' own
+     keys come from k_new / v_new, so no program reads a slot this call writes.
+  3. The write. The split-0 program of each (tile, KV head) stores its tokens' new keys and
+     values into their pages (the caches are aliased to the outputs): one writer per slot.
+  4. Splits. Long caches are cut into splits of keys so a small batch still fills the GPU; the
+     partials are combined in jnp (`decode_attention.combine_splits`). With one split the
+     program normalises and writes the result itself.
+
+Loads and stores of rows past a sequence's tokens, heads past G and keys past the causal limit
+are masked; their indices point past the arrays (a masked store is dropped, in the interpreter
+too). Nothing is padded or copied outside the kernel. Padding tokens have tiles of their own
+that attend nothing and write zeros, so every output element is written.
+
+`ragged_paged_attention_reference` is the same computation in plain jnp (tests; the CPU path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
+from cg_jax.kernels.decode_attention import combine_splits
+
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPagedAttentionConfig:
+  """Block sizes and launch settings of the ragged paged-attention kernel.
+
+  Attributes:
+    tile_rows: query rows per program (tokens x padded group heads; a power of two >= 16): a
+      tile holds tile_rows // G_pad tokens of one sequence.
+    block_k: keys per inner-loop step (a power of two >= 16); clamped to the page size C,
+      which it must divide.
+    split_size: keys per split-K program (a power of two, a multiple of block_k), clamped to
+      the block table's positions rounded up to a power of two.
+    min_programs: the split is halved (down to block_k) while tiles x KV heads x splits would
+      give fewer programs than this. 0 keeps `split_size`.
+    num_warps, num_stages: Triton launch settings.
+  """
+
+  tile_rows: int = 16
+  block_k: int = 64
+  split_size: int = 512
+  min_programs: int = 512
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("tile_rows", "block_k", "split_size", "num_warps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or not is_power_of_two(value):
+        raise ValueError(f"RaggedPagedAttentionConfig.{name} must be a positive power of two, "
+                         f"got {value!r}")
+    for name in ("tile_rows", "block_k"):
+      if getattr(self, name) < MIN_DOT_DIM:
+        raise ValueError(f"RaggedPagedAttentionConfig.{name} must be >= {MIN_DOT_DIM} (Triton "
+                         f"dot), got {getattr(self, name)}")
+    if self.split_size % self.block_k:
+      raise ValueError(f"RaggedPagedAttentionConfig.split_size ({self.split_size}) must be a "
+                       f"multiple of block_k ({self.block_k})")
+    if isinstance(self.min_programs, bool) or not isinstance(self.min_programs, int) or (
+        self.min_programs < 0):
+      raise ValueError(f"RaggedPagedAttentionConfig.min_programs must be an int >= 0, got "
+                       f"{self.min_programs!r}")
+    if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or (
+        self.num_stages < 1):
+      raise ValueError(f"RaggedPagedAttentionConfig.num_stages must be a positive int, got "
+                       f"{self.num_stages!r}")
+
+
+def _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts) -> None:
+  """Raises ValueError naming the argument and the shapes for inconsistent inputs."""
+  shapes = (f"q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, k_pages {tuple(k_pages.shape)}, "
+            f"block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}, "
+            f"query_starts {tuple(query_starts.shape)}")
+  if q.ndim != 3:
+    raise ValueError(f"q must be [A, N, H]; got {shapes}")
+  if k_pages.ndim != 5 or v_pages.shape != k_pages.shape:
+    raise ValueError(f"k_pages and v_pages must be [L, M, C, K, H] alike; got {shapes}, "
+                     f"v_pages {tuple(v_pages.shape)}")
+  tokens, heads, head_dim = q.shape
+  kv_heads = k_pages.shape[3]
+  if k_pages.shape[4] != head_dim:
+    raise ValueError(f"k_pages head_dim must equal q's; got {shapes}")
+  if kv_heads < 1 or heads % kv_heads:
+    raise ValueError(f"q heads must be a multiple of the pages' KV heads (GQA); got {shapes}")
+  if k_new.shape != (tokens, kv_heads, head_dim) or v_new.shape != k_new.shape:
+    raise ValueError(f"k_new and v_new must be [A, K, H] = {(tokens, kv_heads, head_dim)}; got "
+                     f"{shapes}, v_new {tuple(v_new.shape)}")
+  if block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1] or (
+      query_starts.shape != (block_tables.shape[0] + 1,)):
+    raise ValueError(f"block_tables must be [R, W], seq_lens [R] and query_starts [R + 1]; got "
+                     f"{shapes}")
+  for name, array in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                      ("query_starts", query_starts)):
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array; got dtype {array.dtype}")
+  if not (q.dtype == k_pages.dtype == v_pages.dtype):
+    raise ValueError(f"q, k_pages and v_pages must share a dtype; got q {q.dtype}, k_pages "
+                     f"{k_pages.dtype}, v_pages {v_pages.dtype}")
+
+
+def tile_layout(query_starts, tokens: int, tile_tokens: int):
+  """Tiles of at most `tile_tokens` query tokens, none holding two sequences; the padding tokens
+  past query_starts[R] get tiles of their own (sequence R) so every output row is written.
+
+  Args:
+    query_starts: int32 [R + 1], non-decreasing, query_starts[R] <= tokens.
+    tokens: A, the flat batch's length (static).
+    tile_tokens: Q (static).
+  Returns:
+    (tile_seq [X] int32: each tile's sequence, R for padding, R + 1 for a tile past them all;
+     tile_start [X] int32: its first token), X = min(A, cdiv(A, Q) + R + 1) tiles, an upper
+    bound of the tiles needed.
+  """
+  sequences = query_starts.shape[0] - 1
+  count = min(tokens, pl.cdiv(tokens, tile_tokens) + sequences + 1)
+  # [R + 1]: the sequences, then the padding
+  starts = query_starts.astype(jnp.int32)
+  lengths = jnp.append(starts[1:], tokens) - starts
+  ends = jnp.cumsum((lengths + tile_tokens - 1) // tile_tokens)
+  # [X]
+  tile = jnp.arange(count, dtype=jnp.int32)
+  tile_seq = jnp.searchsorted(ends, tile, side="right").astype(jnp.int32)
+  first_tile = jnp.where(tile_seq > 0, ends[jnp.maximum(tile_seq - 1, 0)], 0)
+  start = starts[jnp.minimum(tile_seq, sequences)] + (tile - first_tile) * tile_tokens
+  return tile_seq, start.astype(jnp.int32)
+
+
+def split_layout(tiles: int, kv_heads: int, positions: int,
+                 config: RaggedPagedAttentionConfig, block_k: int) -> tuple[int, int]:
+  """(keys per split, number of splits) for tiles x kv_heads x splits programs over a block
+  table of `positions` positions (W C)."""
+  split = min(config.split_size, max(block_k, pl.next_power_of_2(positions)))
+  while split > block_k and tiles * kv_heads * pl.cdiv(positions, split) < config.min_programs:
+    split //= 2
+  return split, pl.cdiv(positions, split)
+
+
+def _kernel(tile_seq_ref, tile_start_ref, starts_ref, lens_ref, tables_ref, layer_ref, q_ref,
+            k_new_ref, v_new_ref, k_pages_ref, v_pages_ref, *out_refs, sm_scale: float,
+            tile_tokens: int, padded_group: int, group: int, block_k: int, split: int):
+  """One (tile, KV head, split) program. Every ref is a whole array (indexed in place):
+  tile_seq_ref, tile_start_ref [X]; starts_ref [R + 1]; lens_ref [R]; tables_ref [R, W];
+  layer_ref [1]; q_ref [A, N, H]; k_new_ref, v_new_ref [A, K, H]; k_pages_ref, v_pages_ref
+  [L, M, C, K, H]. Outputs: with one split out_ref [A, N, H], with several the partials
+  acc_ref [splits, A, N, H] f32 and max_ref, denom_ref [splits, A, N] f32; then the aliased
+  pages."""
+  *out_refs, k_out_ref, v_out_ref = out_refs
+  tokens, _, head_dim = q_ref.shape
+  sequences = lens_ref.shape[0]
+  num_blocks_table = tables_ref.shape[1]
+  page_size = k_pages_ref.shape[2]
+  tile, kv_head, split_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  layer = layer_ref[0]
+
+  tile_seq = tile_seq_ref[tile]
+  active = tile_seq < sequences  # else padding tokens (zeros written) or no token at all
+  seq = jnp.minimum(tile_seq, sequences - 1)
+  q_begin = starts_ref[seq]
+  # Padding tiles end at A, a tile past them all at 0 (the arithmetic keeps Triton's types).
+  q_end = jnp.where(active, starts_ref[seq + 1],
+                    (tile_seq == sequences).astype(jnp.int32) * tokens)
+  seq_len = lens_ref[seq]
+  first_position = seq_len - (q_end - q_begin)
+  tile_start = tile_start_ref[tile]
+
+  # [Q G_pad] rows: token tile_start + row // G_pad, query head kv_head G + row % G_pad.
+  rows = jnp.arange(tile_tokens * padded_group)
+  row_token = tile_start + rows // padded_group
+  row_in_group = rows % padded_group
+  row_stored = (row_token < q_end) & (row_in_group < group)
+  row_valid = active & row_stored
+  row_position = first_position + row_token - q_begin
+  # Rows not stored index past the arrays: their stores are dropped.
+  row_token_at = jnp.where(row_stored, row_token, tokens)
+  row_head = kv_head * group + jnp.minimum(row_in_group, group - 1)
+  dims = jnp.arange(head_dim)
+  # Keys the tile attends: positions below its last token's position + 1.
+  tile_keys = jnp.where(active, jnp.minimum(seq_len, first_position + tile_start - q_begin
+                                            + tile_tokens), 0)
+  split_start = split_index * split
+  keys_left = jnp.maximum(tile_keys - split_start, 0)
+  num_blocks = jnp.minimum(pl.cdiv(keys_left, block_k), split // block_k)
+
+  # [Q G_pad, H]
+  query = pltriton.load(q_ref.at[row_token_at[:, None], row_head[:, None], dims[None, :]],
+                        mask=row_valid[:, None], other=0.0)
+
+  def attend_block(block_index, carry):
+    acc, row_max, denom = carry
+    block_start = split_start + block_index * block_k
+    # [block_k]
+    position = block_start + jnp.arange(block_k)
+    in_pages = position < first_position
+    in_new = (position >= first_position) & (position < tile_keys)
+    page = tables_ref[seq, jnp.minimum(block_start // page_size, num_blocks_table - 1)]
+    window = k_pages_ref.at[layer, page, pl.ds(block_start % page_size, block_k), kv_head, :]
+    # [block_k] flat token of each key among this call's query tokens (masked elsewhere)
+    new_token = jnp.where(in_new, q_begin + position - first_position, tokens)
+
+    def keys_of(pages_ref, new_ref, window):
+      # [block_k, H]: the cache's keys before the first query position, this call's after.
+      cached = pltriton.load(window, mask=in_pages[:, None], other=0.0)
+      fresh = pltriton.load(new_ref.at[new_token[:, None], kv_head, dims[None, :]],
+                            mask=in_new[:, None], other=0.0)
+      return jnp.where(in_pages[:, None], cached, fresh)
+
+    keys = keys_of(k_pages_ref, k_new_ref, window)
+    values = keys_of(v_pages_ref, v_new_ref, v_pages_ref.at[
+        layer, page, pl.ds(block_start % page_size, block_k), kv_head, :])
+    # [Q G_pad, block_k] = query [Q G_pad, H] . keys [block_k, H]^T; HIGHEST keeps f32 off TF32.
+    scores = lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
+                             precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32) * sm_scale
+    visible = ((position[None, :] <= row_position[:, None]) & (position < tile_keys)[None, :]
+               & row_valid[:, None])
+    scores = jnp.where(visible, scores, -jnp.inf)
+    # [Q G_pad]; a row may see no key in this block: its max stays -inf, exp uses 0 instead.
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    rescale = jnp.exp(row_max - safe_max)
+    probs = jnp.exp(scores - safe_max[:, None])
+    denom = denom * rescale + jnp.sum(probs, axis=1)
+    # [Q G_pad, H] = probs [Q G_pad, block_k] . values [block_k, H]
+    block_out = lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+                                precision=lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32)
+    return acc * rescale[:, None] + block_out, new_max, denom
+
+  initial = (jnp.zeros((tile_tokens * padded_group, head_dim), jnp.float32),
+             jnp.full((tile_tokens * padded_group,), -jnp.inf, jnp.float32),
+             jnp.zeros((tile_tokens * padded_group,), jnp.float32))
+  acc, row_max, denom = lax.fori_loop(0, num_blocks, attend_block, initial)
+
+  if len(out_refs) == 1:  # one split: normalise here
+    (out_ref,) = out_refs
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+    pltriton.store(out_ref.at[row_token_at[:, None], row_head[:, None], dims[None, :]],
+                   out.astype(out_ref.dtype), mask=row_stored[:, None])
+  else:
+    acc_ref, max_ref, denom_ref = out_refs
+    pltriton.store(acc_ref.at[split_index, row_token_at[:, None], row_head[:, None],
+                              dims[None, :]], acc, mask=row_stored[:, None])
+    pltriton.store(max_ref.at[split_index, row_token_at, row_head], row_max, mask=row_stored)
+    pltriton.store(denom_ref.at[split_index, row_token_at, row_head], denom, mask=row_stored)
+
+  @pl.when(split_index == 0)
+  def _write_new():
+    # [Q] this tile's tokens, their positions, pages and slots
+    token = tile_start + jnp.arange(tile_tokens)
+    valid = active & (token < q_end)
+    position = first_position + token - q_begin
+    page = tables_ref[seq, jnp.clip(position // page_size, 0, num_blocks_table - 1)]
+    page = jnp.where(valid, page, k_out_ref.shape[1])
+    slot = position % page_size
+    token_at = jnp.where(valid, token, 0)
+    for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
+      # [Q, H]
+      new = pltriton.load(new_ref.at[token_at[:, None], kv_head, dims[None, :]],
+                          mask=valid[:, None], other=0.0)
+      pltriton.store(out_ref.at[layer, page[:, None], slot[:, None], kv_head, dims[None, :]],
+                     new.astype(out_ref.dtype), mask=valid[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"),
+                   donate_argnames=("k_pages", "v_pages"))
+def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_tables, seq_lens,
+                           query_starts, *, sm_scale: float | None = None,
+                           config: RaggedPagedAttentionConfig = RaggedPagedAttentionConfig(),
+                           interpret: bool = False):
+  """Attention of a flat batch of query tokens over their sequences' pages (module docstring),
+  writing the tokens' keys and values into the pages in place.
+
+  Args:
+    q: [A, N, H] query tokens, float32 or bfloat16; H a power of two >= 16.
+    k_new, v_new: [A, K, H] their keys and values (cast to the pages' dtype).
+    k_pages, v_pages: [L, M, C, K, H] the paged cache, donated; C a power of two >= 16.
+    layer: int32 scalar, the layer attended and written.
+    block_tables: int32 [R, W]; seq_lens: int32 [R], each <= W C; query_starts: int32 [R + 1],
+      non-decreasing, query_starts[r + 1] - query_starts[r] <= seq_lens[r]. A sequence with no
+      query token (padding) is neither read nor written.
+    sm_scale: softmax scale, 1/sqrt(H) when None.
+    config: block sizes and launch settings.
+    interpret: run in the Pallas interpreter (CPU tests).
+  Returns:
+    (out [A, N, H] in q's dtype, zeros for padding tokens; k_pages; v_pages).
+  """
+  _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts)
+  tokens, heads, head_dim = q.shape
+  page_size, kv_heads = k_pages.shape[2], k_pages.shape[3]
+  if q.dtype not in _KERNEL_DTYPES:
+    raise ValueError(f"q dtype must be float32 or bfloat16 for the kernel; got {q.dtype}")
+  if not is_power_of_two(head_dim) or head_dim < MIN_DOT_DIM:
+    raise ValueError(f"q head_dim must be a power of two >= {MIN_DOT_DIM} for the kernel; got q "
+                     f"{tuple(q.shape)} (use ragged_paged_attention_reference)")
+  block_k = min(config.block_k, page_size)
+  if not is_power_of_two(page_size) or page_size < MIN_DOT_DIM:
+    raise ValueError(f"the page size C must be a power of two >= {MIN_DOT_DIM} for the kernel; "
+                     f"got k_pages {tuple(k_pages.shape)}")
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+  group = heads // kv_heads
+  padded_group = pl.next_power_of_2(group)
+  tile_tokens = max(1, config.tile_rows // padded_group)
+
+  query_starts = query_starts.astype(jnp.int32)
+  tile_seq, tile_start = tile_layout(query_starts, tokens, tile_tokens)
+  positions = block_tables.shape[1] * page_size
+  split, num_splits = split_layout(tile_seq.shape[0], kv_heads, positions, config, block_k)
+
+  kernel = functools.partial(_kernel, sm_scale=float(sm_scale), tile_tokens=tile_tokens,
+                             padded_group=padded_group, group=group, block_k=block_k,
+                             split=split)
+  operands = [tile_seq, tile_start, query_starts, seq_lens.astype(jnp.int32),
+              block_tables.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1), q,
+              k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype), k_pages, v_pages]
+
+  def whole(shape):  # the whole array as every program's block (indexed in the kernel)
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+  if num_splits == 1:
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  else:
+    out_shape = [jax.ShapeDtypeStruct((num_splits,) + q.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((num_splits, tokens, heads), jnp.float32),
+                 jax.ShapeDtypeStruct((num_splits, tokens, heads), jnp.float32)]
+  out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
+  *result, k_pages, v_pages = pl.pallas_call(
+      kernel,
+      grid=(tile_seq.shape[0], kv_heads, num_splits),
+      in_specs=[whole(x.shape) for x in operands],
+      out_specs=[whole(s.shape) for s in out_shape],
+      out_shape=out_shape,
+      input_output_aliases={len(operands) - 2: len(out_shape) - 2,
+                            len(operands) - 1: len(out_shape) - 1},
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="ragged_paged_attention",
+  )(*operands)
+  if num_splits == 1:
+    out = result[0]
+  else:
+    # [splits, A, N(, H)] -> [A, splits, N(, H)]: splits beside the rows, as combine_splits wants
+    out = combine_splits(*(jnp.moveaxis(x, 0, 1) for x in result))
+  return out.astype(q.dtype), k_pages, v_pages
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",), donate_argnames=("k_pages", "v_pages"))
+def ragged_paged_attention_reference(q, k_new, v_new, k_pages, v_pages, layer, block_tables,
+                                     seq_lens, query_starts, *, sm_scale: float | None = None):
+  """`ragged_paged_attention` in plain jnp: the tokens' keys and values scattered into their
+  pages, then masked float32 softmax attention over each token's gathered block table (memory
+  A x W C x K x H: for tests and small models). Same arguments and results, any float dtype
+  and head_dim."""
+  _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts)
+  tokens, heads, head_dim = q.shape
+  _, num_pages, page_size, kv_heads, _ = k_pages.shape
+  sequences, width = block_tables.shape
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+  # [A] each token's sequence (R for padding) and position
+  token = jnp.arange(tokens)
+  seq = jnp.searchsorted(query_starts[1:], token, side="right")
+  real = seq < sequences
+  seq = jnp.minimum(seq, sequences - 1)
+  position = seq_lens[seq] - (query_starts[seq + 1] - query_starts[seq]) + token - (
+      query_starts[seq])
+  page = jnp.where(real, block_tables[seq, jnp.clip(position // page_size, 0, width - 1)],
+                   num_pages)
+  slot = position % page_size
+  k_pages = k_pages.at[layer, page, slot].set(k_new.astype(k_pages.dtype), mode="drop")
+  v_pages = v_pages.at[layer, page, slot].set(v_new.astype(v_pages.dtype), mode="drop")
+  # [A, W C, K, H] each token's sequence's keys and values, position order
+  keys = k_pages[layer][block_tables[seq]].reshape(tokens, width * page_size, kv_heads, head_dim)
+  values = v_pages[layer][block_tables[seq]].reshape(keys.shape)
+  group = heads // kv_heads
+  # [A, K, G, H]
+  grouped = q.reshape(tokens, kv_heads, group, head_dim).astype(jnp.float32)
+  # [A, K, G, W C]
+  scores = jnp.einsum("akgh,atkh->akgt", grouped, keys.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST) * sm_scale
+  # [A, 1, 1, W C]
+  visible = ((jnp.arange(width * page_size)[None, :] <= position[:, None])
+             & real[:, None])[:, None, None]
+  scores = jnp.where(visible, scores, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  weights = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
+  denom = jnp.sum(weights, axis=-1, keepdims=True)
+  probs = weights / jnp.where(denom > 0, denom, 1.0)
+  # [A, K, G, H]
+  out = jnp.einsum("akgt,atkh->akgh", probs, values.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+  return out.reshape(tokens, heads, head_dim).astype(q.dtype), k_pages, v_pages
