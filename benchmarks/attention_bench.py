@@ -6,7 +6,10 @@ row full): achieved bandwidth = valid K/V bytes / time, against the 4.2 TB/s cop
 Prefill flash attention (S in 512, 2048, causal): TFLOP/s against the ~790 TFLOP/s bf16 matmul
 ceiling. Decode step (`--parts decode-step`): the cache write + attention kernel over every
 layer of each model's stacked cache at the decode step's shapes (cache 1024, position 512), the
-default launch config against pinned splits and warp counts, per layer in-graph.
+default launch config against pinned splits and warp counts, per layer in-graph. Paged
+(`--parts paged`): the ragged paged-attention kernel on a paged cache (random block tables)
+against the slot cache's decode kernel at the decode step's shapes, and against the flash kernel
+and SDPA on fresh prompts (its time includes writing the prompt's keys and values into pages).
 Medians over repeats, compile time excluded. One process, rows to JSON, table last.
 
   PYTHONPATH=$PWD python3 benchmarks/attention_bench.py --out $OUT
@@ -18,6 +21,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import os
 import statistics
 import time
@@ -33,6 +37,9 @@ from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_atten
                                              decode_attention_with_write, split_layout)
 from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attention,
                                             flash_attention_reference)
+from cg_jax.kernels.ragged_paged_attention import (RaggedPagedAttentionConfig,
+                                                   ragged_paged_attention,
+                                                   ragged_paged_attention_reference)
 from models.config import PRESETS
 
 BF16_FLOPS = 790e12
@@ -49,6 +56,15 @@ STEP_CONFIGS = tuple(
     DecodeAttentionConfig(block_k=64, split_size=split, min_programs=0, num_warps=warps,
                           num_stages=stages)
     for split in (64, 128, 256, 512) for warps, stages in ((4, 2), (8, 2), (2, 1)))
+# The ragged paged kernel: the default, then pinned splits and warps (decode); tiles (prefill).
+PAGED_DECODE_CONFIGS = (RaggedPagedAttentionConfig(),) + tuple(
+    RaggedPagedAttentionConfig(split_size=split, min_programs=0, num_warps=warps,
+                               num_stages=stages)
+    for split, warps, stages in ((128, 4, 2), (256, 4, 2), (512, 2, 1)))
+PAGED_PREFILL_CONFIGS = tuple(
+    RaggedPagedAttentionConfig(tile_rows=rows, block_k=block_k, num_warps=warps)
+    for rows, block_k, warps in ((64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 4),
+                                 (128, 64, 8), (256, 64, 8)))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
@@ -130,35 +146,38 @@ def decode_rows(batches, cache_lens, heads=32, kv_heads=8, head_dim=64):
   return rows
 
 
-def decode_step_us(config: DecodeAttentionConfig, inputs, calls: int = 10,
-                   rounds: int = 5) -> float:
-  """Per-layer time of `decode_attention_with_write` over every layer of a stacked cache, back to
-  back in one executable (graph mode `full`, the caches donated and carried from call to call),
-  as in the decode step: in-graph kernel time plus its launch gap."""
-  q, k_new, v_new, k_cache, v_cache, lengths = inputs
-  layers = k_cache.shape[0]
+def layers_us(attend, inputs, layers: int, calls: int = 10, rounds: int = 5) -> float:
+  """Per-layer time of `attend(q, k_new, v_new, k_cache, v_cache, *rest, layer=l)` -> (out,
+  k_cache, v_cache) over `layers` layers back to back in one executable (graph mode `full`, the
+  caches donated and carried from call to call), as in the decode step: in-graph kernel time
+  plus its launch gap."""
+  q, k_new, v_new, k_cache, v_cache, *rest = inputs
 
-  def step(q, k_new, v_new, k_cache, v_cache, lengths):
+  def step(q, k_new, v_new, k_cache, v_cache, *rest):
     total = jnp.zeros((), jnp.float32)
     for layer in range(layers):
-      out, k_cache, v_cache = decode_attention_with_write(
-          q, k_new, v_new, k_cache, v_cache, lengths, layer=layer, config=config,
-          interpret=INTERPRET)
+      out, k_cache, v_cache = attend(q, k_new, v_new, k_cache, v_cache, *rest, layer=layer)
       total += out[0, 0, 0].astype(jnp.float32)  # keeps every layer's output alive
     return total, k_cache, v_cache
 
   compiled = jax.jit(step, donate_argnums=(3, 4)).lower(*inputs).compile(
       compiler_options("full"))
-  total, k_cache, v_cache = compiled(q, k_new, v_new, k_cache, v_cache, lengths)
+  total, k_cache, v_cache = compiled(q, k_new, v_new, k_cache, v_cache, *rest)
   jax.block_until_ready(total)
   times = []
   for _ in range(1 if INTERPRET else rounds):
     start = time.perf_counter()
     for _ in range(1 if INTERPRET else calls):
-      total, k_cache, v_cache = compiled(q, k_new, v_new, k_cache, v_cache, lengths)
+      total, k_cache, v_cache = compiled(q, k_new, v_new, k_cache, v_cache, *rest)
     jax.block_until_ready(total)
     times.append((time.perf_counter() - start) / (1 if INTERPRET else calls))
   return statistics.median(times) * 1e6 / layers
+
+
+def decode_step_us(config: DecodeAttentionConfig, inputs) -> float:
+  """`layers_us` of the slot cache's decode kernel with its cache write."""
+  return layers_us(functools.partial(decode_attention_with_write, config=config,
+                                     interpret=INTERPRET), inputs, inputs[3].shape[0])
 
 
 def decode_step_rows(models, batches, cache_len: int, position: int):
@@ -238,6 +257,127 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
   return rows
 
 
+def _paged_inputs(seed: int, layers: int, q_lens, seq_lens, page_size: int, width: int, heads: int,
+                  kv_heads: int, head_dim: int):
+  """A flat batch (sequence r: q_lens[r] query tokens, seq_lens[r] positions after the call) over
+  a random bfloat16 paged cache [L, M, C, K, H] with random block tables [R, W] (every page
+  distinct, M = R W + 1)."""
+  keys = jax.random.split(jax.random.key(seed), 6)
+  tokens, sequences = sum(q_lens), len(q_lens)
+  pages = sequences * width + 1
+  cache_shape = (layers, pages, page_size, kv_heads, head_dim)
+  q = jax.random.normal(keys[0], (tokens, heads, head_dim), jnp.bfloat16)
+  k_new, v_new = (jax.random.normal(k, (tokens, kv_heads, head_dim), jnp.bfloat16)
+                  for k in keys[1:3])
+  tables = jax.random.permutation(keys[3], pages)[:sequences * width].reshape(sequences, width)
+  starts = jnp.asarray([0, *itertools.accumulate(q_lens)], jnp.int32)
+
+  def caches():  # fresh caches: each timing donates its own
+    return tuple(jax.random.normal(k, cache_shape, jnp.bfloat16) for k in keys[4:6])
+
+  return (q, k_new, v_new, *caches(), tables.astype(jnp.int32),
+          jnp.asarray(seq_lens, jnp.int32), starts), caches
+
+
+def _paged_attend(config):
+  def attend(q, k_new, v_new, k_pages, v_pages, tables, lens, starts, *, layer):
+    return ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, jnp.int32(layer), tables,
+                                  lens, starts, config=config, interpret=INTERPRET)
+  return attend
+
+
+def _paged_error(inputs, caches, config) -> float:
+  """Relative error of the kernel's attention against the jnp reference (fresh caches each)."""
+  q, k_new, v_new, _, _, *index = inputs
+  out = ragged_paged_attention(q, k_new, v_new, *caches(), jnp.int32(0), *index, config=config,
+                               interpret=INTERPRET)[0]
+  return relative_error(out, ragged_paged_attention_reference(q, k_new, v_new, *caches(), 0,
+                                                              *index)[0])
+
+
+def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes):
+  """Decode rows (one token each at `position`) of the ragged paged kernel against the slot
+  cache's decode kernel (its default config) at each model's heads over its layers."""
+  rows = []
+  for model in models:
+    c = PRESETS[model]
+    for batch in batches:
+      keys = jax.random.split(jax.random.key(batch), 5)
+      slot_shape = (c.num_layers, batch, cache_len, c.num_kv_heads, c.head_dim)
+      slot_us = decode_step_us(DecodeAttentionConfig(), (
+          jax.random.normal(keys[0], (batch, c.num_heads, c.head_dim), jnp.bfloat16),
+          *(jax.random.normal(k, (batch, c.num_kv_heads, c.head_dim), jnp.bfloat16)
+            for k in keys[1:3]),
+          *(jax.random.normal(k, slot_shape, jnp.bfloat16) for k in keys[3:5]),
+          jnp.full((batch,), position + 1, jnp.int32)))
+      floor = 2 * batch * (position + 1) * c.num_kv_heads * c.head_dim * 2 / HBM_BYTES_PER_S * 1e6
+      for page_size in page_sizes:
+        inputs, caches = _paged_inputs(batch, c.num_layers, [1] * batch, [position + 1] * batch,
+                                       page_size, cache_len // page_size, c.num_heads,
+                                       c.num_kv_heads, c.head_dim)
+        timed = [(layers_us(_paged_attend(config), inputs if i == 0 else (*inputs[:3], *caches(),
+                                                                          *inputs[5:]),
+                            c.num_layers), config)
+                 for i, config in enumerate(PAGED_DECODE_CONFIGS)]
+        default_us = timed[0][0]
+        best_us, best = min(timed, key=lambda t: t[0])
+        row = dict(kernel="ragged_paged_attention", phase="decode", model=model, batch=batch,
+                   cache_len=cache_len, length=position + 1, page_size=page_size,
+                   heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                   layers=c.num_layers, floor_us=floor, slot_decode_us=slot_us,
+                   default_us=default_us, pallas_us=best_us, pallas_config=dataclasses.asdict(best),
+                   rel_error_vs_xla=_paged_error(inputs[:3] + caches() + inputs[5:], caches, best),
+                   pallas_bandwidth_share=floor / best_us)
+        rows.append(row)
+        print(f"paged decode {model:13s} B={batch:<3d} C={page_size:<3d} default "
+              f"{default_us:6.1f} best {best_us:6.1f} us/layer, slot kernel {slot_us:6.1f}, "
+              f"floor {floor:5.1f}, err {row['rel_error_vs_xla']:.1e}", flush=True)
+  return rows
+
+
+def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, head_dim=64):
+  """Fresh prompts (`batch` sequences of S tokens, causal) through the ragged paged kernel,
+  keys and values written into pages, against the flash kernel (best config) and SDPA."""
+  rows = []
+  for seq in seq_lens:
+    inputs, caches = _paged_inputs(seq, 1, [seq] * batch, [seq] * batch, page_size,
+                                   -(-seq // page_size), heads, kv_heads, head_dim)
+    timed = [(layers_us(_paged_attend(config), (*inputs[:3], *caches(), *inputs[5:]), 1), config)
+             for config in PAGED_PREFILL_CONFIGS]
+    best_us, best = min(timed, key=lambda t: t[0])
+    # The flash kernel on the same tokens, [B, S, N, H] / [B, S, K, H].
+    q, k, v = (x.reshape(batch, seq, *x.shape[1:]) for x in inputs[:3])
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    flash_us, flash_config, _ = fastest(
+        ((config, jax.jit(functools.partial(flash_attention, config=config,
+                                            interpret=INTERPRET)))
+         for config in PREFILL_CONFIGS[::2]),
+        _median_us, q, k, v, lengths)
+
+    def torch_sdpa():
+      import torch
+      tq, tk, tv = (_to_torch(x).transpose(1, 2) for x in (q, k, v))
+      return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
+                                                              enable_gqa=True)
+
+    flops = 4 * batch * heads * seq * seq * head_dim / 2
+    row = dict(kernel="ragged_paged_attention", phase="prefill", batch=batch, seq_len=seq,
+               page_size=page_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+               pallas_us=best_us, pallas_config=dataclasses.asdict(best),
+               all_us={f"t{c.tile_rows}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}": us
+                       for us, c in timed},
+               flash_us=flash_us, flash_config=dataclasses.asdict(flash_config),
+               torch_sdpa_us=_torch_us(torch_sdpa),
+               rel_error_vs_xla=_paged_error((*inputs[:3], *caches(), *inputs[5:]), caches, best),
+               pallas_tflops=flops / best_us / 1e6)
+    rows.append(row)
+    print(f"paged prefill S={seq:<5d} C={page_size}: {best_us:8.1f} us ({row['pallas_tflops']:5.1f}"
+          f" TFLOP/s, {best.tile_rows} rows x {best.block_k} keys, {best.num_warps} warps), flash "
+          f"{flash_us:8.1f}, torch {row['torch_sdpa_us'] or float('nan'):8.1f}, err "
+          f"{row['rel_error_vs_xla']:.1e}", flush=True)
+  return rows
+
+
 def mosaic_probe_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
   """The Mosaic GPU backend on the same prefill shapes: jax's bundled FlashAttention-3 example
   kernel (jax.experimental.pallas.ops.gpu.attention_mgpu, float16, causal, no padding lengths),
@@ -289,7 +429,11 @@ def main():
   parser.add_argument("--seq-lens", default="512,2048")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in the interpreter (CPU)")
   parser.add_argument("--parts", default="decode,prefill",
-                      help="comma list of decode, decode-step, prefill, mosaic-probe (GPU only)")
+                      help="comma list of decode, decode-step, prefill, paged, mosaic-probe "
+                           "(GPU only)")
+  parser.add_argument("--page-sizes", default="16,64", help="paged: decode page sizes C")
+  parser.add_argument("--paged-seq-lens", default="512,2048,4096",
+                      help="paged: prompt lengths (page size the last of --page-sizes)")
   parser.add_argument("--step-models", default="gpt2,gpt2-large,llama-3.2-1b",
                       help="decode-step: model shapes (heads, layers)")
   args = parser.parse_args()
@@ -299,8 +443,12 @@ def main():
     global DECODE_CONFIGS, PREFILL_CONFIGS
     global STEP_CONFIGS
     DECODE_CONFIGS, PREFILL_CONFIGS = DECODE_CONFIGS[:2], PREFILL_CONFIGS[:1]
+    global PAGED_DECODE_CONFIGS, PAGED_PREFILL_CONFIGS
     STEP_CONFIGS = STEP_CONFIGS[:2]
+    PAGED_DECODE_CONFIGS = PAGED_DECODE_CONFIGS[:2]
+    PAGED_PREFILL_CONFIGS = PAGED_PREFILL_CONFIGS[:1]
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
+    args.page_sizes, args.paged_seq_lens, args.step_position = "16", "48", 100
     args.step_models = "tiny-gpt2"
   commit = git_commit()
   meta = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, commit=commit,
@@ -317,6 +465,13 @@ def main():
                                min(args.step_position, cache_len - 1))
   if "prefill" in parts:
     rows += prefill_rows([int(s) for s in args.seq_lens.split(",")])
+  if "paged" in parts:
+    page_sizes = [int(c) for c in args.page_sizes.split(",")]
+    cache_len = int(args.cache_lens.split(",")[0])
+    rows += paged_decode_rows(args.step_models.split(","),
+                              [int(b) for b in args.batches.split(",")], cache_len,
+                              min(args.step_position, cache_len - 1), page_sizes)
+    rows += paged_prefill_rows([int(s) for s in args.paged_seq_lens.split(",")], page_sizes[-1])
   if "mosaic-probe" in parts:
     rows += mosaic_probe_rows([int(s) for s in args.seq_lens.split(",")])
   rows = [dict(meta, **r) for r in rows]
@@ -325,8 +480,18 @@ def main():
   for r in rows:
     if r["kernel"] == "decode_attention_with_write":
       print(f"decode step      {r['model']} B={r['batch']} T={r['cache_len']}  default "
-            f"{r['default_us']:7.1f} best {r['pallas_us']:7.1f} us/layer  floor {r['floor_us']:5.1f} "
-            f"{r['pallas_bandwidth_share']:6.2f}")
+            f"{r['default_us']:7.1f} best {r['pallas_us']:7.1f} us/layer  floor "
+            f"{r['floor_us']:5.1f} {r['pallas_bandwidth_share']:6.2f}")
+      continue
+    if r["kernel"] == "ragged_paged_attention" and r["phase"] == "decode":
+      print(f"paged decode     {r['model']} B={r['batch']} C={r['page_size']}  default "
+            f"{r['default_us']:7.1f} best {r['pallas_us']:7.1f} us/layer  slot kernel "
+            f"{r['slot_decode_us']:7.1f}  floor {r['floor_us']:5.1f}")
+      continue
+    if r["kernel"] == "ragged_paged_attention":
+      print(f"paged prefill    S={r['seq_len']} C={r['page_size']}  {r['pallas_us']:9.1f} us  "
+            f"flash {r['flash_us']:9.1f}  torch {r['torch_sdpa_us'] or float('nan'):9.1f}  "
+            f"{r['pallas_tflops']:6.1f} TFLOP/s")
       continue
     if r["kernel"] == "mosaic_gpu_fa3_probe":
       print(f"{r['kernel']:16s} D={r.get('head_dim')} S={r.get('seq_len')} "

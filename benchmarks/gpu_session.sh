@@ -15,6 +15,8 @@
 #   startup     `bench startup` of the engine, cold and warm, for each of MODELS
 #   train       the bundled model (scripts/train_default_model.py; needs .train/kjv carried)
 #   attention   Pallas attention kernels: correctness, config search, XLA and torch SDPA
+#   paged       the ragged paged-attention kernel against the slot decode kernel (gpt2 and
+#               llama-3.2-1b heads, BATCHES, cache 1024) and the flash kernel / SDPA (prompts)
 #   io          host I/O: streamed tokens, pinned transfers, KV swap
 #   tp          tensor parallelism over the host's GPUs (nvidia-h200-x2)
 #   invariance  batch invariance and its cost (batch_invariance_bench.py)
@@ -138,6 +140,10 @@ if has train; then
   run train 150 python3 scripts/train_default_model.py --work .train/kjv
 fi
 if has attention; then run attention 200 python3 benchmarks/attention_bench.py; fi
+if has paged; then
+  run paged 300 python3 benchmarks/attention_bench.py --parts paged --batches "$BATCHES" \
+    --step-models gpt2,llama-3.2-1b --cache-lens 1024
+fi
 if has io; then run io 200 python3 benchmarks/io_bench.py; fi
 if has tp; then run tp 500 python3 benchmarks/tp_bench.py; fi
 if has invariance; then
