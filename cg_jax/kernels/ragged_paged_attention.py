@@ -1,11 +1,13 @@
 """Ragged paged attention: one kernel for a flat batch of query tokens from many sequences over a
 paged KV cache, with the new tokens' keys and values written into their pages (Pallas, Triton).
 
-The batch is A query tokens laid end to end: sequence r owns tokens
-query_starts[r] .. query_starts[r + 1] - 1 (a decode row has one, a prefill chunk many; tokens
-past query_starts[R] are padding). Its cache holds seq_lens[r] positions after this call, the
-query tokens being the last of them, so query token i sits at position
-seq_lens[r] - q_len + i and attends causally to positions 0 .. its own. Position p of
+The batch is A query tokens laid end to end: sequence r owns the region
+query_starts[r] .. query_starts[r + 1] - 1, whose first q_len = query_lens[r] tokens are its
+query tokens (a decode row has one, a prefill chunk many; the rest of the region, and every
+token past query_starts[R], is padding: a fixed [B, S] grid of right-padded rows is the region
+layout query_starts = S r). Its cache holds seq_lens[r] positions after this call, the query
+tokens being the last of them, so query token i sits at position seq_lens[r] - q_len + i and
+attends causally to positions 0 .. its own. Position p of
 sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cache
 [L, M, C, K, H] (one layer of it is attended, `layer`).
 
@@ -25,8 +27,9 @@ sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cac
 
 Loads and stores of rows past a sequence's tokens, heads past G and keys past the causal limit
 are masked; their indices point past the arrays (a masked store is dropped, in the interpreter
-too). Nothing is padded or copied outside the kernel. Padding tokens have tiles of their own
-that attend nothing and write zeros, so every output element is written.
+too). Nothing is padded or copied outside the kernel. Padding tokens attend nothing, write no
+key and get zeros (those past query_starts[R] in tiles of their own), so every output element
+is written.
 
 `ragged_paged_attention_reference` is the same computation in plain jnp (tests; the CPU path).
 """
@@ -95,11 +98,12 @@ class RaggedPagedAttentionConfig:
                        f"{self.num_stages!r}")
 
 
-def _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts) -> None:
+def _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts,
+           query_lens) -> None:
   """Raises ValueError naming the argument and the shapes for inconsistent inputs."""
   shapes = (f"q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, k_pages {tuple(k_pages.shape)}, "
             f"block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}, "
-            f"query_starts {tuple(query_starts.shape)}")
+            f"query_starts {tuple(query_starts.shape)}, query_lens {tuple(query_lens.shape)}")
   if q.ndim != 3:
     raise ValueError(f"q must be [A, N, H]; got {shapes}")
   if k_pages.ndim != 5 or v_pages.shape != k_pages.shape:
@@ -115,16 +119,24 @@ def _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_star
     raise ValueError(f"k_new and v_new must be [A, K, H] = {(tokens, kv_heads, head_dim)}; got "
                      f"{shapes}, v_new {tuple(v_new.shape)}")
   if block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1] or (
-      query_starts.shape != (block_tables.shape[0] + 1,)):
-    raise ValueError(f"block_tables must be [R, W], seq_lens [R] and query_starts [R + 1]; got "
-                     f"{shapes}")
+      query_starts.shape != (block_tables.shape[0] + 1,)) or (
+      query_lens.shape != seq_lens.shape):
+    raise ValueError(f"block_tables must be [R, W], seq_lens and query_lens [R] and query_starts "
+                     f"[R + 1]; got {shapes}")
   for name, array in (("block_tables", block_tables), ("seq_lens", seq_lens),
-                      ("query_starts", query_starts)):
+                      ("query_starts", query_starts), ("query_lens", query_lens)):
     if not jnp.issubdtype(array.dtype, jnp.integer):
       raise ValueError(f"{name} must be an integer array; got dtype {array.dtype}")
   if not (q.dtype == k_pages.dtype == v_pages.dtype):
     raise ValueError(f"q, k_pages and v_pages must share a dtype; got q {q.dtype}, k_pages "
                      f"{k_pages.dtype}, v_pages {v_pages.dtype}")
+
+
+def _query_lens(query_starts, query_lens):
+  """int32 [R]: the given query lengths, or each region's length."""
+  if query_lens is None:
+    return jnp.diff(query_starts)
+  return jnp.asarray(query_lens).astype(jnp.int32)
 
 
 def tile_layout(query_starts, tokens: int, tile_tokens: int):
@@ -164,11 +176,13 @@ def split_layout(tiles: int, kv_heads: int, positions: int,
   return split, pl.cdiv(positions, split)
 
 
-def _kernel(tile_seq_ref, tile_start_ref, starts_ref, lens_ref, tables_ref, layer_ref, q_ref,
+def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tables_ref, layer_ref,
+            q_ref,
             k_new_ref, v_new_ref, k_pages_ref, v_pages_ref, *out_refs, sm_scale: float,
             tile_tokens: int, padded_group: int, group: int, block_k: int, split: int):
   """One (tile, KV head, split) program. Every ref is a whole array (indexed in place):
-  tile_seq_ref, tile_start_ref [X]; starts_ref [R + 1]; lens_ref [R]; tables_ref [R, W];
+  tile_seq_ref, tile_start_ref [X]; starts_ref [R + 1]; q_lens_ref, lens_ref [R]; tables_ref
+  [R, W];
   layer_ref [1]; q_ref [A, N, H]; k_new_ref, v_new_ref [A, K, H]; k_pages_ref, v_pages_ref
   [L, M, C, K, H]. Outputs: with one split out_ref [A, N, H], with several the partials
   acc_ref [splits, A, N, H] f32 and max_ref, denom_ref [splits, A, N] f32; then the aliased
@@ -185,19 +199,22 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, lens_ref, tables_ref, laye
   active = tile_seq < sequences  # else padding tokens (zeros written) or no token at all
   seq = jnp.minimum(tile_seq, sequences - 1)
   q_begin = starts_ref[seq]
-  # Padding tiles end at A, a tile past them all at 0 (the arithmetic keeps Triton's types).
-  q_end = jnp.where(active, starts_ref[seq + 1],
-                    (tile_seq == sequences).astype(jnp.int32) * tokens)
+  # The tile's region ends at the next sequence's start (padding tiles at A, a tile past them
+  # all at 0: the arithmetic keeps Triton's types); its query tokens at q_begin + q_len.
+  region_end = jnp.where(active, starts_ref[seq + 1],
+                         (tile_seq == sequences).astype(jnp.int32) * tokens)
+  q_len = jnp.where(active, q_lens_ref[seq], 0)
+  q_end = q_begin + q_len
   seq_len = lens_ref[seq]
-  first_position = seq_len - (q_end - q_begin)
+  first_position = seq_len - q_len
   tile_start = tile_start_ref[tile]
 
   # [Q G_pad] rows: token tile_start + row // G_pad, query head kv_head G + row % G_pad.
   rows = jnp.arange(tile_tokens * padded_group)
   row_token = tile_start + rows // padded_group
   row_in_group = rows % padded_group
-  row_stored = (row_token < q_end) & (row_in_group < group)
-  row_valid = active & row_stored
+  row_stored = (row_token < region_end) & (row_in_group < group)
+  row_valid = row_stored & (row_token < q_end)
   row_position = first_position + row_token - q_begin
   # Rows not stored index past the arrays: their stores are dropped.
   row_token_at = jnp.where(row_stored, row_token, tokens)
@@ -293,7 +310,7 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, lens_ref, tables_ref, laye
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"),
                    donate_argnames=("k_pages", "v_pages"))
 def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_tables, seq_lens,
-                           query_starts, *, sm_scale: float | None = None,
+                           query_starts, query_lens=None, *, sm_scale: float | None = None,
                            config: RaggedPagedAttentionConfig = RaggedPagedAttentionConfig(),
                            interpret: bool = False):
   """Attention of a flat batch of query tokens over their sequences' pages (module docstring),
@@ -305,15 +322,18 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
     k_pages, v_pages: [L, M, C, K, H] the paged cache, donated; C a power of two >= 16.
     layer: int32 scalar, the layer attended and written.
     block_tables: int32 [R, W]; seq_lens: int32 [R], each <= W C; query_starts: int32 [R + 1],
-      non-decreasing, query_starts[r + 1] - query_starts[r] <= seq_lens[r]. A sequence with no
-      query token (padding) is neither read nor written.
+      non-decreasing, query_starts[R] <= A; query_lens: int32 [R], query_lens[r] <=
+      min(query_starts[r + 1] - query_starts[r], seq_lens[r]), or None: the whole regions. A
+      sequence with no query token (an idle row) is neither read nor written.
     sm_scale: softmax scale, 1/sqrt(H) when None.
     config: block sizes and launch settings.
     interpret: run in the Pallas interpreter (CPU tests).
   Returns:
     (out [A, N, H] in q's dtype, zeros for padding tokens; k_pages; v_pages).
   """
-  _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts)
+  query_starts = query_starts.astype(jnp.int32)
+  query_lens = _query_lens(query_starts, query_lens)
+  _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
   tokens, heads, head_dim = q.shape
   page_size, kv_heads = k_pages.shape[2], k_pages.shape[3]
   if q.dtype not in _KERNEL_DTYPES:
@@ -331,7 +351,6 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
   padded_group = pl.next_power_of_2(group)
   tile_tokens = max(1, config.tile_rows // padded_group)
 
-  query_starts = query_starts.astype(jnp.int32)
   tile_seq, tile_start = tile_layout(query_starts, tokens, tile_tokens)
   positions = block_tables.shape[1] * page_size
   split, num_splits = split_layout(tile_seq.shape[0], kv_heads, positions, config, block_k)
@@ -339,7 +358,7 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
   kernel = functools.partial(_kernel, sm_scale=float(sm_scale), tile_tokens=tile_tokens,
                              padded_group=padded_group, group=group, block_k=block_k,
                              split=split)
-  operands = [tile_seq, tile_start, query_starts, seq_lens.astype(jnp.int32),
+  operands = [tile_seq, tile_start, query_starts, query_lens, seq_lens.astype(jnp.int32),
               block_tables.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1), q,
               k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype), k_pages, v_pages]
 
@@ -377,12 +396,15 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",), donate_argnames=("k_pages", "v_pages"))
 def ragged_paged_attention_reference(q, k_new, v_new, k_pages, v_pages, layer, block_tables,
-                                     seq_lens, query_starts, *, sm_scale: float | None = None):
+                                     seq_lens, query_starts, query_lens=None, *,
+                                     sm_scale: float | None = None):
   """`ragged_paged_attention` in plain jnp: the tokens' keys and values scattered into their
   pages, then masked float32 softmax attention over each token's gathered block table (memory
   A x W C x K x H: for tests and small models). Same arguments and results, any float dtype
   and head_dim."""
-  _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts)
+  query_starts = query_starts.astype(jnp.int32)
+  query_lens = _query_lens(query_starts, query_lens)
+  _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
   tokens, heads, head_dim = q.shape
   _, num_pages, page_size, kv_heads, _ = k_pages.shape
   sequences, width = block_tables.shape
@@ -391,10 +413,10 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_pages, v_pages, layer, b
   # [A] each token's sequence (R for padding) and position
   token = jnp.arange(tokens)
   seq = jnp.searchsorted(query_starts[1:], token, side="right")
-  real = seq < sequences
   seq = jnp.minimum(seq, sequences - 1)
-  position = seq_lens[seq] - (query_starts[seq + 1] - query_starts[seq]) + token - (
-      query_starts[seq])
+  offset = token - query_starts[seq]
+  real = (offset >= 0) & (offset < query_lens[seq])
+  position = seq_lens[seq] - query_lens[seq] + offset
   page = jnp.where(real, block_tables[seq, jnp.clip(position // page_size, 0, width - 1)],
                    num_pages)
   slot = position % page_size

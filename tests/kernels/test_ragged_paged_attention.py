@@ -33,13 +33,15 @@ class Case:
   q_lens: tuple[int, ...]  # query tokens per sequence this call
   context: tuple[int, ...]  # positions already in each sequence's pages
   padding: int = 3  # tokens past the last sequence's
+  gaps: tuple[int, ...] = ()  # padding tokens after each sequence's query tokens (query_lens)
   config: RaggedPagedAttentionConfig = SPLITS
   head_dim: int = 16
   page_size: int = 16
 
   def __str__(self):
     return (f"{self.dtype}-N{self.heads}-K{self.kv_heads}-q{'_'.join(map(str, self.q_lens))}-"
-            f"ctx{'_'.join(map(str, self.context))}-split{self.config.split_size}")
+            f"ctx{'_'.join(map(str, self.context))}-gaps{'_'.join(map(str, self.gaps))}-"
+            f"split{self.config.split_size}")
 
 
 CASES = [
@@ -54,13 +56,18 @@ CASES = [
     Case("bfloat16", 6, 2, (17, 2, 9), (31, 0, 16)),
     # MQA (group 8: 2 tokens a tile), bf16, head dim 32, one long prefill and a decode row
     Case("bfloat16", 8, 1, (33, 1), (0, 60), head_dim=32, config=ONE_SPLIT),
+    # a grid of right-padded rows (regions of 8 tokens, query_lens): a chunk after context,
+    # an idle row (no query token), a short fresh prompt; then decode rows with an idle one
+    Case("float32", 8, 2, (5, 0, 3), (20, 7, 0), gaps=(3, 8, 5)),
+    Case("bfloat16", 4, 4, (1, 0, 1), (30, 0, 16), gaps=(0, 1, 0), config=ONE_SPLIT),
 ]
 
 
 def _inputs(case: Case, seed: int = 0, layers: int = 2, width: int = 4):
   rng = np.random.default_rng(seed)
   sequences = len(case.q_lens)
-  starts = np.concatenate([[0], np.cumsum(case.q_lens)]).astype(np.int32)
+  gaps = case.gaps or (0,) * len(case.q_lens)
+  starts = np.concatenate([[0], np.cumsum(np.add(case.q_lens, gaps))]).astype(np.int32)
   tokens = int(starts[-1]) + case.padding
   lens = np.asarray([q + c for q, c in zip(case.q_lens, case.context)], np.int32)
   num_pages = sequences * width + 3
@@ -74,6 +81,8 @@ def _inputs(case: Case, seed: int = 0, layers: int = 2, width: int = 4):
       k_pages=random_array(rng, shape, case.dtype), v_pages=random_array(rng, shape, case.dtype))
   index = dict(block_tables=jnp.asarray(tables, jnp.int32), seq_lens=jnp.asarray(lens),
                query_starts=jnp.asarray(starts))
+  if case.gaps:
+    index["query_lens"] = jnp.asarray(case.q_lens, jnp.int32)
   return arrays, index
 
 
@@ -85,8 +94,8 @@ def _expected(case: Case, arrays, index, layer: int):
                                                            "query_starts"))
   out = np.zeros(a["q"].shape)
   pages = {"k": a["k_pages"].copy(), "v": a["v_pages"].copy()}
-  for r, (begin, end) in enumerate(zip(starts[:-1], starts[1:])):
-    length, q_len = int(lens[r]), int(end - begin)
+  for r, (begin, q_len) in enumerate(zip(starts[:-1], case.q_lens)):
+    length, end = int(lens[r]), begin + q_len
     first = length - q_len
     positions = np.arange(length)
     where = (tables[r, positions // case.page_size], positions % case.page_size)
@@ -114,7 +123,10 @@ def test_matches_float64_attention_and_writes_only_the_new_slots(case, kernel):
     got = ragged_paged_attention_reference(**arrays, layer=layer, **index)
   out, k_pages, v_pages = (np.asarray(x, np.float64) for x in got)
   assert_kernel_close(out, want, case.dtype, f"{kernel} attention")
-  assert np.all(out[int(index["query_starts"][-1]):] == 0)  # padding tokens
+  query = np.zeros(len(out), bool)
+  for begin, q_len in zip(index["query_starts"], case.q_lens):
+    query[int(begin):int(begin) + q_len] = True
+  assert np.all(out[~query] == 0)  # padding tokens
   # Written slots hold the new keys exactly (cast to the pages' dtype); every other slot, and
   # the other layer, is untouched.
   np.testing.assert_array_equal(k_pages, want_k)
