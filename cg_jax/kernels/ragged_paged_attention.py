@@ -16,9 +16,11 @@ sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cac
      its rows are the tile's Q tokens x the G_pad query heads of one KV group, one [Q G_pad, H]
      tile, so each key/value block it loads serves all of them (GQA without repeating K/V).
   2. Keys. A program walks its split of the positions below the tile's last position in blocks
-     of `block_k` keys (a divisor of C, so a block lies in one page) with an online softmax.
-     Keys before the sequence's first query position come from the pages; the query tokens' own
-     keys come from k_new / v_new, so no program reads a slot this call writes.
+     of `block_k` keys with an online softmax, in two loops: the keys before the sequence's
+     first query position from the pages (blocks at multiples of block_k, a divisor of C, so a
+     block lies in one page), then the query tokens' own keys from k_new / v_new as contiguous
+     windows of tokens (gathered rows when A < block_k). No program reads a slot this call
+     writes.
   3. The write. The split-0 program of each (tile, KV head) stores its tokens' new keys and
      values into their pages (the caches are aliased to the outputs): one writer per slot.
   4. Splits. Long caches are cut into splits of keys so a small batch still fills the GPU; the
@@ -223,41 +225,26 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   # Keys the tile attends: positions below its last token's position + 1.
   tile_keys = jnp.where(active, jnp.minimum(seq_len, first_position + tile_start - q_begin
                                             + tile_tokens), 0)
+  # This split's keys: positions [split_start, split_end) below tile_keys, those before the
+  # first query position from the pages, the others from k_new (one loop each).
   split_start = split_index * split
-  keys_left = jnp.maximum(tile_keys - split_start, 0)
-  num_blocks = jnp.minimum(pl.cdiv(keys_left, block_k), split // block_k)
+  split_end = split_start + split
+  cached_end = jnp.minimum(jnp.minimum(first_position, tile_keys), split_end)
+  new_start = jnp.maximum(first_position, split_start)
+  new_end = jnp.minimum(tile_keys, split_end)
 
   # [Q G_pad, H]
   query = pltriton.load(q_ref.at[row_token_at[:, None], row_head[:, None], dims[None, :]],
                         mask=row_valid[:, None], other=0.0)
 
-  def attend_block(block_index, carry):
+  def online(carry, keys, values, position, key_valid):
+    """The online-softmax update by one block of keys [block_k, H] at `position` [block_k]."""
     acc, row_max, denom = carry
-    block_start = split_start + block_index * block_k
-    # [block_k]
-    position = block_start + jnp.arange(block_k)
-    in_pages = position < first_position
-    in_new = (position >= first_position) & (position < tile_keys)
-    page = tables_ref[seq, jnp.minimum(block_start // page_size, num_blocks_table - 1)]
-    window = k_pages_ref.at[layer, page, pl.ds(block_start % page_size, block_k), kv_head, :]
-    # [block_k] flat token of each key among this call's query tokens (masked elsewhere)
-    new_token = jnp.where(in_new, q_begin + position - first_position, tokens)
-
-    def keys_of(pages_ref, new_ref, window):
-      # [block_k, H]: the cache's keys before the first query position, this call's after.
-      cached = pltriton.load(window, mask=in_pages[:, None], other=0.0)
-      fresh = pltriton.load(new_ref.at[new_token[:, None], kv_head, dims[None, :]],
-                            mask=in_new[:, None], other=0.0)
-      return jnp.where(in_pages[:, None], cached, fresh)
-
-    keys = keys_of(k_pages_ref, k_new_ref, window)
-    values = keys_of(v_pages_ref, v_new_ref, v_pages_ref.at[
-        layer, page, pl.ds(block_start % page_size, block_k), kv_head, :])
     # [Q G_pad, block_k] = query [Q G_pad, H] . keys [block_k, H]^T; HIGHEST keeps f32 off TF32.
     scores = lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
                              precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32) * sm_scale
-    visible = ((position[None, :] <= row_position[:, None]) & (position < tile_keys)[None, :]
+    visible = ((position[None, :] <= row_position[:, None]) & key_valid[None, :]
                & row_valid[:, None])
     scores = jnp.where(visible, scores, -jnp.inf)
     # [Q G_pad]; a row may see no key in this block: its max stays -inf, exp uses 0 instead.
@@ -272,10 +259,48 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
                                 preferred_element_type=jnp.float32)
     return acc * rescale[:, None] + block_out, new_max, denom
 
+  def cached_block(block_index, carry):
+    # Blocks start at multiples of block_k, a divisor of C: each lies in one page.
+    block_start = split_start + block_index * block_k
+    # [block_k]
+    position = block_start + jnp.arange(block_k)
+    valid = position < cached_end
+    page = tables_ref[seq, jnp.minimum(block_start // page_size, num_blocks_table - 1)]
+    keys, values = (pltriton.load(ref.at[layer, page, pl.ds(block_start % page_size, block_k),
+                                         kv_head, :], mask=valid[:, None], other=0.0)
+                    for ref in (k_pages_ref, v_pages_ref))
+    return online(carry, keys, values, position, valid)
+
+  def new_block(block_index, carry):
+    block_start = new_start + block_index * block_k
+    block_end = jnp.minimum(block_start + block_k, new_end)
+    token = q_begin + block_start - first_position  # the block's first key among the tokens
+    if tokens >= block_k:
+      # A contiguous window of tokens, its start held inside the array (the keys a clamped
+      # window also covers before block_start are masked: the previous block had them).
+      window = jnp.minimum(token, tokens - block_k)
+      # [block_k]
+      position = first_position + window - q_begin + jnp.arange(block_k)
+      valid = (position >= block_start) & (position < block_end)
+      keys, values = (pltriton.load(ref.at[pl.ds(window, block_k), kv_head, :],
+                                    mask=valid[:, None], other=0.0)
+                      for ref in (k_new_ref, v_new_ref))
+    else:  # fewer tokens than a block (small decode batches): gathered rows
+      position = block_start + jnp.arange(block_k)
+      valid = position < block_end
+      at = jnp.where(valid, token + jnp.arange(block_k), tokens)
+      keys, values = (pltriton.load(ref.at[at[:, None], kv_head, dims[None, :]],
+                                    mask=valid[:, None], other=0.0)
+                      for ref in (k_new_ref, v_new_ref))
+    return online(carry, keys, values, position, valid)
+
   initial = (jnp.zeros((tile_tokens * padded_group, head_dim), jnp.float32),
              jnp.full((tile_tokens * padded_group,), -jnp.inf, jnp.float32),
              jnp.zeros((tile_tokens * padded_group,), jnp.float32))
-  acc, row_max, denom = lax.fori_loop(0, num_blocks, attend_block, initial)
+  carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(cached_end - split_start, 0), block_k),
+                        cached_block, initial)
+  acc, row_max, denom = lax.fori_loop(0, pl.cdiv(jnp.maximum(new_end - new_start, 0), block_k),
+                                      new_block, carry)
 
   if len(out_refs) == 1:  # one split: normalise here
     (out_ref,) = out_refs
