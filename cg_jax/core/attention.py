@@ -12,6 +12,10 @@ contract and the plain-XLA reference).
   RealRows         decode over the first `rows` rows of a step whose hidden state is padded to
                    more rows (`ForwardConfig.min_matmul_rows`): the padding rows get zeros and
                    never touch the cache or the attention kernel.
+  PagedAttention   the same methods over a paged cache: k_all, v_all are pages
+                   [L, M, C, K, H] and row b of a call reads and writes the blocks of its own
+                   block table; the ragged paged kernel (one call per layer, the cache write
+                   fused) or gathered pages with XLA ops. Not used by the engine yet.
 
 `for_forward(config, mesh)` picks the implementation of a `ForwardConfig`.
 """
@@ -29,7 +33,9 @@ from cg_jax.core.config import ForwardConfig
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_with_write)
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
-from models.attention import XlaAttention, write_prompt, write_token
+from cg_jax.kernels.ragged_paged_attention import (RaggedPagedAttentionConfig,
+                                                   ragged_paged_attention)
+from models.attention import XlaAttention, softmax_attention, write_prompt, write_token
 
 
 def interpret_pallas() -> bool:
@@ -139,6 +145,94 @@ class AtRows:
   def prefill(self, q, k, v, lengths, k_all, v_all, layer):
     k_all, v_all = write_prompt(k, v, k_all, v_all, layer, row=self.first)
     return self.inner.causal(q, k, v, lengths), k_all, v_all
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+  """Attention over a paged KV cache (k_all, v_all [L, M, C, K, H]): row b of a prefill,
+  extend or decode call owns the blocks `tables[b]` (int32 [B, W]; position p of the row lives
+  in slot p % C of block tables[b, p // C]). Idle and padding rows write nothing.
+
+  Args:
+    inner: the cache-free `causal` attention (XLA or the Pallas flash kernel).
+    tables: int32 [B, W], the call's rows' block tables (traced).
+    kernel: the ragged paged kernel (else XLA: the rows' pages gathered, then masked softmax).
+    config: the kernel's block config.
+    mesh: the tensor-parallel mesh (heads split over it) or None.
+    interpret: run the kernel in the Pallas interpreter.
+  """
+
+  inner: Any
+  tables: Any
+  kernel: bool = False
+  config: RaggedPagedAttentionConfig = RaggedPagedAttentionConfig()
+  mesh: Any = None
+  interpret: bool = False
+
+  def causal(self, q, k, v, lengths):
+    return self.inner.causal(q, k, v, lengths)
+
+  def prefill(self, q, k, v, lengths, k_all, v_all, layer):
+    # q [B, S, N, H]: row b's first lengths[b] tokens at positions 0..
+    return self._rows(q, k, v, jnp.zeros_like(lengths), lengths, k_all, v_all, layer)
+
+  def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
+    # q [B, C, N, H]; positions [B, C]: a row's real tokens first, at consecutive positions,
+    # padding (-1) after. `rows` is not needed: the tables are the call's rows' own.
+    counts = jnp.sum(positions >= 0, axis=1, dtype=jnp.int32)
+    return self._rows(q, k, v, jnp.maximum(positions[:, 0], 0), counts, k_all, v_all, layer)
+
+  def decode(self, q, k, v, positions, k_all, v_all, layer):
+    # q [B, N, H] -> [B, 1, N, H]; a negative position is an idle row (no token)
+    out, k_all, v_all = self._rows(q[:, None], k[:, None], v[:, None],
+                                   jnp.maximum(positions, 0), (positions >= 0).astype(jnp.int32),
+                                   k_all, v_all, layer)
+    return out[:, 0], k_all, v_all
+
+  def _rows(self, q, k, v, starts, counts, k_all, v_all, layer):
+    """Row b's first counts[b] tokens of q [B, S, N, H] (k, v [B, S, K, H]) at positions
+    starts[b].., attending causally to its keys; the other tokens are padding (zeros out)."""
+    batch, size = q.shape[:2]
+    if self.kernel:
+      return self._kernel(q, k, v, starts, counts, k_all, v_all, layer)
+    _, num_pages, page_size, kv_heads, head_dim = k_all.shape
+    width = self.tables.shape[1]
+    # [B, S]: each token's position, whether it is real, its block and slot
+    offsets = jnp.arange(size, dtype=jnp.int32)[None, :]
+    position = starts[:, None] + offsets
+    real = offsets < counts[:, None]
+    page = jnp.where(real, jnp.take_along_axis(
+        self.tables, jnp.clip(position // page_size, 0, width - 1), axis=1), num_pages)
+    slot = position % page_size
+    k_all = k_all.at[layer, page, slot].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, page, slot].set(v.astype(v_all.dtype), mode="drop")
+    # [B, W C, K, H]: each row's keys and values in position order
+    keys = k_all[layer][self.tables].reshape(batch, width * page_size, kv_heads, head_dim)
+    values = v_all[layer][self.tables].reshape(keys.shape)
+    # [B, S, W C]
+    mask = (jnp.arange(width * page_size)[None, None, :] <= position[:, :, None]) & real[..., None]
+    out = softmax_attention(q, keys, values, mask)
+    return jnp.where(real[..., None, None], out, 0), k_all, v_all
+
+  def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer):
+    batch, size, heads, head_dim = q.shape
+    mesh = self.mesh
+    tokens = None if mesh is None else _heads(mesh, 3, 1)
+    cache = None if mesh is None else _heads(mesh, 5, 3)
+    # A [B, S] grid of right-padded rows: regions of S tokens, counts[b] of them real.
+    region_starts = jnp.arange(batch + 1, dtype=jnp.int32) * size
+
+    def kernel(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts, query_lens):
+      return ragged_paged_attention(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts,
+                                    query_lens, config=self.config, interpret=self.interpret)
+
+    # [B, S, N, H] -> [B S, N, H]
+    flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731
+    out, k_all, v_all = _per_device(kernel, mesh, (tokens, tokens, tokens, cache, cache) + (
+        P(),) * 5, (tokens, cache, cache))(
+        flat(q), flat(k), flat(v), k_all, v_all, jnp.asarray(layer, jnp.int32), self.tables,
+        starts + counts, region_starts, counts)
+    return out.reshape(batch, size, heads, head_dim), k_all, v_all
 
 
 def for_forward(config: ForwardConfig, mesh=None):
