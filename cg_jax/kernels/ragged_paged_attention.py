@@ -187,7 +187,7 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   [R, W];
   layer_ref [1]; q_ref [A, N, H]; k_new_ref, v_new_ref [A, K, H]; k_pages_ref, v_pages_ref
   [L, M, C, K, H]. Outputs: with one split out_ref [A, N, H], with several the partials
-  acc_ref [splits, A, N, H] f32 and max_ref, denom_ref [splits, A, N] f32; then the aliased
+  acc_ref [A, splits, N, H] f32 and max_ref, denom_ref [A, splits, N] f32; then the aliased
   pages."""
   *out_refs, k_out_ref, v_out_ref = out_refs
   tokens, _, head_dim = q_ref.shape
@@ -309,10 +309,10 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
                    out.astype(out_ref.dtype), mask=row_stored[:, None])
   else:
     acc_ref, max_ref, denom_ref = out_refs
-    pltriton.store(acc_ref.at[split_index, row_token_at[:, None], row_head[:, None],
+    pltriton.store(acc_ref.at[row_token_at[:, None], split_index, row_head[:, None],
                               dims[None, :]], acc, mask=row_stored[:, None])
-    pltriton.store(max_ref.at[split_index, row_token_at, row_head], row_max, mask=row_stored)
-    pltriton.store(denom_ref.at[split_index, row_token_at, row_head], denom, mask=row_stored)
+    pltriton.store(max_ref.at[row_token_at, split_index, row_head], row_max, mask=row_stored)
+    pltriton.store(denom_ref.at[row_token_at, split_index, row_head], denom, mask=row_stored)
 
   @pl.when(split_index == 0)
   def _write_new():
@@ -393,9 +393,10 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
   if num_splits == 1:
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   else:
-    out_shape = [jax.ShapeDtypeStruct((num_splits,) + q.shape, jnp.float32),
-                 jax.ShapeDtypeStruct((num_splits, tokens, heads), jnp.float32),
-                 jax.ShapeDtypeStruct((num_splits, tokens, heads), jnp.float32)]
+    # The partials with the splits beside the rows, as combine_splits takes them.
+    out_shape = [jax.ShapeDtypeStruct((tokens, num_splits, heads, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((tokens, num_splits, heads), jnp.float32),
+                 jax.ShapeDtypeStruct((tokens, num_splits, heads), jnp.float32)]
   out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                 jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
   *result, k_pages, v_pages = pl.pallas_call(
@@ -414,8 +415,7 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
   if num_splits == 1:
     out = result[0]
   else:
-    # [splits, A, N(, H)] -> [A, splits, N(, H)]: splits beside the rows, as combine_splits wants
-    out = combine_splits(*(jnp.moveaxis(x, 0, 1) for x in result))
+    out = combine_splits(*result)
   return out.astype(q.dtype), k_pages, v_pages
 
 
