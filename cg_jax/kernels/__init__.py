@@ -8,7 +8,7 @@ Lowering: the kernels lower through Pallas's Triton backend on the GPU, selected
 |---|---|---|
 | `decode_attention` | flash-decoding over the KV cache, fused cache write | Triton |
 | `flash_attention` | causal prefill attention | Triton |
-| `ragged_paged_attention` | a flat batch of decode rows and prefill chunks over a paged KV cache, fused cache write | Triton |
+| `ragged_paged_attention` | decode rows and prompt chunks over a paged cache, fused write | Triton |
 
 jax 0.11 deprecated the Triton backend and jax 0.12 warns (`DeprecationWarning: The Pallas
 Triton backend is deprecated and will be removed in a future JAX version`) on every lowering;

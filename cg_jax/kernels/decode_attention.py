@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
+from cg_jax.kernels.blocks import MIN_DOT_DIM, check_split_config, is_power_of_two
 
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -77,23 +77,7 @@ class DecodeAttentionConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for name in ("block_k", "split_size", "num_warps"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or not is_power_of_two(value):
-        raise ValueError(f"DecodeAttentionConfig.{name} must be a positive power of two, "
-                         f"got {value!r}")
-    if self.block_k < MIN_DOT_DIM:
-      raise ValueError(f"DecodeAttentionConfig.block_k must be >= {MIN_DOT_DIM} (Triton dot), "
-                       f"got {self.block_k}")
-    if self.split_size % self.block_k:
-      raise ValueError(f"DecodeAttentionConfig.split_size ({self.split_size}) must be a multiple "
-                       f"of block_k ({self.block_k})")
-    if not isinstance(self.min_programs, int) or self.min_programs < 0:
-      raise ValueError(f"DecodeAttentionConfig.min_programs must be an int >= 0, "
-                       f"got {self.min_programs!r}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"DecodeAttentionConfig.num_stages must be a positive int, "
-                       f"got {self.num_stages!r}")
+    check_split_config(self, ("block_k", "split_size", "num_warps"), ("block_k",))
 
 
 def _check_shapes(q, k_cache, v_cache, lengths) -> None:

@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
+from cg_jax.kernels.blocks import MIN_DOT_DIM, check_split_config, is_power_of_two
 from cg_jax.kernels.decode_attention import combine_splits
 
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -78,26 +78,8 @@ class RaggedPagedAttentionConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for name in ("tile_rows", "block_k", "split_size", "num_warps"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or not is_power_of_two(value):
-        raise ValueError(f"RaggedPagedAttentionConfig.{name} must be a positive power of two, "
-                         f"got {value!r}")
-    for name in ("tile_rows", "block_k"):
-      if getattr(self, name) < MIN_DOT_DIM:
-        raise ValueError(f"RaggedPagedAttentionConfig.{name} must be >= {MIN_DOT_DIM} (Triton "
-                         f"dot), got {getattr(self, name)}")
-    if self.split_size % self.block_k:
-      raise ValueError(f"RaggedPagedAttentionConfig.split_size ({self.split_size}) must be a "
-                       f"multiple of block_k ({self.block_k})")
-    if isinstance(self.min_programs, bool) or not isinstance(self.min_programs, int) or (
-        self.min_programs < 0):
-      raise ValueError(f"RaggedPagedAttentionConfig.min_programs must be an int >= 0, got "
-                       f"{self.min_programs!r}")
-    if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or (
-        self.num_stages < 1):
-      raise ValueError(f"RaggedPagedAttentionConfig.num_stages must be a positive int, got "
-                       f"{self.num_stages!r}")
+    check_split_config(self, ("tile_rows", "block_k", "split_size", "num_warps"),
+                       ("tile_rows", "block_k"))
 
 
 def _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts,
