@@ -180,6 +180,22 @@ def decode_step_us(config: DecodeAttentionConfig, inputs) -> float:
                                      interpret=INTERPRET), inputs, inputs[3].shape[0])
 
 
+def _slot_step_inputs(c, batch: int, cache_len: int, position: int):
+  """A function returning the decode step's inputs at a model's heads (random bfloat16, every
+  row at `position`) with fresh stacked caches [L, B, T, K, H]: each timing donates its own."""
+  keys = jax.random.split(jax.random.key(batch), 5)
+  q = jax.random.normal(keys[0], (batch, c.num_heads, c.head_dim), jnp.bfloat16)
+  k_new, v_new = (jax.random.normal(key, (batch, c.num_kv_heads, c.head_dim), jnp.bfloat16)
+                  for key in keys[1:3])
+  cache_shape = (c.num_layers, batch, cache_len, c.num_kv_heads, c.head_dim)
+  lengths = jnp.full((batch,), position + 1, jnp.int32)
+
+  def inputs():
+    return (q, k_new, v_new, jax.random.normal(keys[3], cache_shape, jnp.bfloat16),
+            jax.random.normal(keys[4], cache_shape, jnp.bfloat16), lengths)
+  return inputs
+
+
 def decode_step_rows(models, batches, cache_len: int, position: int):
   """The decode step's attention (with the cache write) at each model's heads over its layers:
   the default launch config against pinned splits and warp counts; bytes = valid K/V read."""
@@ -187,17 +203,7 @@ def decode_step_rows(models, batches, cache_len: int, position: int):
   for model in models:
     c = PRESETS[model]
     for batch in batches:
-      keys = jax.random.split(jax.random.key(batch), 5)
-      q = jax.random.normal(keys[0], (batch, c.num_heads, c.head_dim), jnp.bfloat16)
-      k_new, v_new = (jax.random.normal(key, (batch, c.num_kv_heads, c.head_dim), jnp.bfloat16)
-                      for key in keys[1:3])
-      cache_shape = (c.num_layers, batch, cache_len, c.num_kv_heads, c.head_dim)
-      lengths = jnp.full((batch,), position + 1, jnp.int32)
-
-      def inputs():  # fresh caches: each timing donates its own
-        return (q, k_new, v_new, jax.random.normal(keys[3], cache_shape, jnp.bfloat16),
-                jax.random.normal(keys[4], cache_shape, jnp.bfloat16), lengths)
-
+      inputs = _slot_step_inputs(c, batch, cache_len, position)
       valid_bytes = 2 * batch * (position + 1) * c.num_kv_heads * c.head_dim * 2
       floor = valid_bytes / HBM_BYTES_PER_S * 1e6
       default = DecodeAttentionConfig()
@@ -259,9 +265,10 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
 
 def _paged_inputs(seed: int, layers: int, q_lens, seq_lens, page_size: int, width: int, heads: int,
                   kv_heads: int, head_dim: int):
-  """A flat batch (sequence r: q_lens[r] query tokens, seq_lens[r] positions after the call) over
-  a random bfloat16 paged cache [L, M, C, K, H] with random block tables [R, W] (every page
-  distinct, M = R W + 1)."""
+  """A function returning a flat batch (sequence r: q_lens[r] query tokens, seq_lens[r]
+  positions after the call) over a random bfloat16 paged cache [L, M, C, K, H], fresh on each
+  call (each timing donates its own), with random block tables [R, W] (every page distinct,
+  M = R W + 1)."""
   keys = jax.random.split(jax.random.key(seed), 6)
   tokens, sequences = sum(q_lens), len(q_lens)
   pages = sequences * width + 1
@@ -270,13 +277,13 @@ def _paged_inputs(seed: int, layers: int, q_lens, seq_lens, page_size: int, widt
   k_new, v_new = (jax.random.normal(k, (tokens, kv_heads, head_dim), jnp.bfloat16)
                   for k in keys[1:3])
   tables = jax.random.permutation(keys[3], pages)[:sequences * width].reshape(sequences, width)
-  starts = jnp.asarray([0, *itertools.accumulate(q_lens)], jnp.int32)
+  index = (tables.astype(jnp.int32), jnp.asarray(seq_lens, jnp.int32),
+           jnp.asarray([0, *itertools.accumulate(q_lens)], jnp.int32))
 
-  def caches():  # fresh caches: each timing donates its own
-    return tuple(jax.random.normal(k, cache_shape, jnp.bfloat16) for k in keys[4:6])
-
-  return (q, k_new, v_new, *caches(), tables.astype(jnp.int32),
-          jnp.asarray(seq_lens, jnp.int32), starts), caches
+  def inputs():
+    return (q, k_new, v_new, *(jax.random.normal(k, cache_shape, jnp.bfloat16)
+                               for k in keys[4:6]), *index)
+  return inputs
 
 
 def _paged_attend(config):
@@ -286,13 +293,12 @@ def _paged_attend(config):
   return attend
 
 
-def _paged_error(inputs, caches, config) -> float:
+def _paged_error(inputs, config) -> float:
   """Relative error of the kernel's attention against the jnp reference (fresh caches each)."""
-  q, k_new, v_new, _, _, *index = inputs
-  out = ragged_paged_attention(q, k_new, v_new, *caches(), jnp.int32(0), *index, config=config,
-                               interpret=INTERPRET)[0]
-  return relative_error(out, ragged_paged_attention_reference(q, k_new, v_new, *caches(), 0,
-                                                              *index)[0])
+  q, k_new, v_new, k_pages, v_pages, *index = inputs()
+  out = ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, jnp.int32(0), *index,
+                               config=config, interpret=INTERPRET)[0]
+  return relative_error(out, ragged_paged_attention_reference(*inputs()[:5], 0, *index)[0])
 
 
 def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes):
@@ -302,23 +308,15 @@ def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes
   for model in models:
     c = PRESETS[model]
     for batch in batches:
-      keys = jax.random.split(jax.random.key(batch), 5)
-      slot_shape = (c.num_layers, batch, cache_len, c.num_kv_heads, c.head_dim)
-      slot_us = decode_step_us(DecodeAttentionConfig(), (
-          jax.random.normal(keys[0], (batch, c.num_heads, c.head_dim), jnp.bfloat16),
-          *(jax.random.normal(k, (batch, c.num_kv_heads, c.head_dim), jnp.bfloat16)
-            for k in keys[1:3]),
-          *(jax.random.normal(k, slot_shape, jnp.bfloat16) for k in keys[3:5]),
-          jnp.full((batch,), position + 1, jnp.int32)))
+      slot_us = decode_step_us(DecodeAttentionConfig(),
+                               _slot_step_inputs(c, batch, cache_len, position)())
       floor = 2 * batch * (position + 1) * c.num_kv_heads * c.head_dim * 2 / HBM_BYTES_PER_S * 1e6
       for page_size in page_sizes:
-        inputs, caches = _paged_inputs(batch, c.num_layers, [1] * batch, [position + 1] * batch,
-                                       page_size, cache_len // page_size, c.num_heads,
-                                       c.num_kv_heads, c.head_dim)
-        timed = [(layers_us(_paged_attend(config), inputs if i == 0 else (*inputs[:3], *caches(),
-                                                                          *inputs[5:]),
-                            c.num_layers), config)
-                 for i, config in enumerate(PAGED_DECODE_CONFIGS)]
+        inputs = _paged_inputs(batch, c.num_layers, [1] * batch, [position + 1] * batch,
+                               page_size, cache_len // page_size, c.num_heads, c.num_kv_heads,
+                               c.head_dim)
+        timed = [(layers_us(_paged_attend(config), inputs(), c.num_layers), config)
+                 for config in PAGED_DECODE_CONFIGS]
         default_us = timed[0][0]
         best_us, best = min(timed, key=lambda t: t[0])
         row = dict(kernel="ragged_paged_attention", phase="decode", model=model, batch=batch,
@@ -326,7 +324,7 @@ def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes
                    heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                    layers=c.num_layers, floor_us=floor, slot_decode_us=slot_us,
                    default_us=default_us, pallas_us=best_us, pallas_config=dataclasses.asdict(best),
-                   rel_error_vs_xla=_paged_error(inputs[:3] + caches() + inputs[5:], caches, best),
+                   rel_error_vs_xla=_paged_error(inputs, best),
                    pallas_bandwidth_share=floor / best_us)
         rows.append(row)
         print(f"paged decode {model:13s} B={batch:<3d} C={page_size:<3d} default "
@@ -340,13 +338,13 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
   keys and values written into pages, against the flash kernel (best config) and SDPA."""
   rows = []
   for seq in seq_lens:
-    inputs, caches = _paged_inputs(seq, 1, [seq] * batch, [seq] * batch, page_size,
-                                   -(-seq // page_size), heads, kv_heads, head_dim)
-    timed = [(layers_us(_paged_attend(config), (*inputs[:3], *caches(), *inputs[5:]), 1), config)
+    inputs = _paged_inputs(seq, 1, [seq] * batch, [seq] * batch, page_size,
+                           -(-seq // page_size), heads, kv_heads, head_dim)
+    timed = [(layers_us(_paged_attend(config), inputs(), 1), config)
              for config in PAGED_PREFILL_CONFIGS]
     best_us, best = min(timed, key=lambda t: t[0])
     # The flash kernel on the same tokens, [B, S, N, H] / [B, S, K, H].
-    q, k, v = (x.reshape(batch, seq, *x.shape[1:]) for x in inputs[:3])
+    q, k, v = (x.reshape(batch, seq, *x.shape[1:]) for x in inputs()[:3])
     lengths = jnp.full((batch,), seq, jnp.int32)
     flash_us, flash_config, _ = fastest(
         ((config, jax.jit(functools.partial(flash_attention, config=config,
@@ -368,7 +366,7 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
                        for us, c in timed},
                flash_us=flash_us, flash_config=dataclasses.asdict(flash_config),
                torch_sdpa_us=_torch_us(torch_sdpa),
-               rel_error_vs_xla=_paged_error((*inputs[:3], *caches(), *inputs[5:]), caches, best),
+               rel_error_vs_xla=_paged_error(inputs, best),
                pallas_tflops=flops / best_us / 1e6)
     rows.append(row)
     print(f"paged prefill S={seq:<5d} C={page_size}: {best_us:8.1f} us ({row['pallas_tflops']:5.1f}"
