@@ -217,7 +217,7 @@ class PagedAttention:
   def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer):
     batch, size, heads, head_dim = q.shape
     mesh = self.mesh
-    tokens = None if mesh is None else _heads(mesh, 3, 1)
+    heads_spec = None if mesh is None else _heads(mesh, 3, 1)
     cache = None if mesh is None else _heads(mesh, 5, 3)
     # A [B, S] grid of right-padded rows: regions of S tokens, counts[b] of them real.
     region_starts = jnp.arange(batch + 1, dtype=jnp.int32) * size
@@ -228,8 +228,8 @@ class PagedAttention:
 
     # [B, S, N, H] -> [B S, N, H]
     flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731
-    out, k_all, v_all = _per_device(kernel, mesh, (tokens, tokens, tokens, cache, cache) + (
-        P(),) * 5, (tokens, cache, cache))(
+    out, k_all, v_all = _per_device(kernel, mesh, (heads_spec,) * 3 + (cache, cache) + (P(),) * 5,
+                                    (heads_spec, cache, cache))(
         flat(q), flat(k), flat(v), k_all, v_all, jnp.asarray(layer, jnp.int32), self.tables,
         starts + counts, region_starts, counts)
     return out.reshape(batch, size, heads, head_dim), k_all, v_all

@@ -417,7 +417,8 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_pages, v_pages, layer, b
   sequences, width = block_tables.shape
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
-  # [A] each token's sequence (R for padding) and position
+  # [A] each token's sequence (the one whose region holds it), whether it is a query token
+  # (else padding) and its position
   token = jnp.arange(tokens)
   seq = jnp.searchsorted(query_starts[1:], token, side="right")
   seq = jnp.minimum(seq, sequences - 1)
