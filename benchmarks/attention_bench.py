@@ -60,7 +60,9 @@ STEP_CONFIGS = tuple(
 PAGED_DECODE_CONFIGS = (RaggedPagedAttentionConfig(),) + tuple(
     RaggedPagedAttentionConfig(split_size=split, min_programs=0, num_warps=warps,
                                num_stages=stages)
-    for split, warps, stages in ((128, 4, 2), (256, 4, 2), (512, 2, 1)))
+    for split, warps, stages in ((64, 4, 2), (128, 4, 2), (256, 4, 2), (512, 4, 2), (128, 2, 1),
+                                 (256, 2, 1))) + tuple(
+    RaggedPagedAttentionConfig(min_programs=programs) for programs in (64, 128, 1024))
 PAGED_PREFILL_CONFIGS = tuple(
     RaggedPagedAttentionConfig(tile_rows=rows, block_k=block_k, num_warps=warps)
     for rows, block_k, warps in ((64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 4),
@@ -324,6 +326,8 @@ def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes
                    heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                    layers=c.num_layers, floor_us=floor, slot_decode_us=slot_us,
                    default_us=default_us, pallas_us=best_us, pallas_config=dataclasses.asdict(best),
+                   all_us={f"s{c.split_size}_m{c.min_programs}_w{c.num_warps}_st{c.num_stages}":
+                           us for us, c in timed},
                    rel_error_vs_xla=_paged_error(inputs, best),
                    pallas_bandwidth_share=floor / best_us)
         rows.append(row)

@@ -15,23 +15,25 @@ sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cac
      sequences; `tile_layout`, plain jnp). One Triton program runs per (tile, KV head, split):
      its rows are the tile's Q tokens x the G_pad query heads of one KV group, one [Q G_pad, H]
      tile, so each key/value block it loads serves all of them (GQA without repeating K/V).
-  2. Keys. A program walks its split of the positions below the tile's last position in blocks
-     of `block_k` keys with an online softmax, in two loops: the keys before the sequence's
-     first query position from the pages (blocks at multiples of block_k, a divisor of C, so a
-     block lies in one page), then the query tokens' own keys from k_new / v_new as contiguous
-     windows of tokens (gathered rows when A < block_k). No program reads a slot this call
-     writes.
+  2. Keys. A program walks its split of the positions below the tile's last position with an
+     online softmax, in two loops: the keys before the sequence's first query position from the
+     pages, in blocks of `block_k` (at multiples of block_k, a divisor of C, so a block lies in
+     one page), then the query tokens' own keys from k_new / v_new as contiguous windows of
+     tokens (gathered rows when A < block_k, in one block of A rounded up to a power of two).
+     Blocks that every row of the tile sees whole (the cached keys, the own keys before the
+     tile's first token) load unmasked and skip the mask; only a loop's last blocks are masked.
+     No program reads a slot this call writes.
   3. The write. The split-0 program of each (tile, KV head) stores its tokens' new keys and
      values into their pages (the caches are aliased to the outputs): one writer per slot.
-  4. Splits. Long caches are cut into splits of keys so a small batch still fills the GPU; the
-     partials are combined in jnp (`decode_attention.combine_splits`). With one split the
+  4. Splits. Long caches are cut into splits of keys only while the programs would not fill the
+     GPU (`min_programs`: small decode batches; prompt chunks keep one split); the partials are
+     combined in jnp (`decode_attention.combine_splits`). With one split the
      program normalises and writes the result itself.
 
 Loads and stores of rows past a sequence's tokens, heads past G and keys past the causal limit
 are masked; their indices point past the arrays (a masked store is dropped, in the interpreter
-too). Nothing is padded or copied outside the kernel. Padding tokens attend nothing, write no
-key and get zeros (those past query_starts[R] in tiles of their own), so every output element
-is written.
+too). Nothing is padded or copied outside the kernel. Padding tokens write no key and get zeros
+(those past query_starts[R] in tiles of their own), so every output element is written.
 
 `ragged_paged_attention_reference` is the same computation in plain jnp (tests; the CPU path).
 """
@@ -63,8 +65,9 @@ class RaggedPagedAttentionConfig:
       tile holds tile_rows // G_pad tokens of one sequence.
     block_k: keys per inner-loop step (a power of two >= 16); clamped to the page size C,
       which it must divide.
-    split_size: keys per split-K program (a power of two, a multiple of block_k), clamped to
-      the block table's positions rounded up to a power of two.
+    split_size: the most keys per split-K program (a power of two, a multiple of block_k),
+      clamped to the block table's positions rounded up to a power of two. Prompt chunks fill
+      the GPU with their tiles: their calls keep one split, no partials to combine.
     min_programs: the split is halved (down to block_k) while tiles x KV heads x splits would
       give fewer programs than this. 0 keeps `split_size`.
     num_warps, num_stages: Triton launch settings.
@@ -72,7 +75,7 @@ class RaggedPagedAttentionConfig:
 
   tile_rows: int = 16
   block_k: int = 64
-  split_size: int = 512
+  split_size: int = 4096
   min_programs: int = 512
   num_warps: int = 4
   num_stages: int = 2
@@ -219,70 +222,111 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   query = pltriton.load(q_ref.at[row_token_at[:, None], row_head[:, None], dims[None, :]],
                         mask=row_valid[:, None], other=0.0)
 
-  def online(carry, keys, values, position, key_valid):
-    """The online-softmax update by one block of keys [block_k, H] at `position` [block_k]."""
+  def online(carry, keys, values, visible=None):
+    """The online-softmax update by one block of keys [block, H]; `visible` [Q G_pad, block]
+    masks it (None: every row sees every key, an interior block)."""
     acc, row_max, denom = carry
-    # [Q G_pad, block_k] = query [Q G_pad, H] . keys [block_k, H]^T; HIGHEST keeps f32 off TF32.
+    # [Q G_pad, block] = query [Q G_pad, H] . keys [block, H]^T; HIGHEST keeps f32 off TF32.
     scores = lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
                              precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32) * sm_scale
-    visible = ((position[None, :] <= row_position[:, None]) & key_valid[None, :]
-               & row_valid[:, None])
-    scores = jnp.where(visible, scores, -jnp.inf)
-    # [Q G_pad]; a row may see no key in this block: its max stays -inf, exp uses 0 instead.
+    if visible is not None:
+      scores = jnp.where(visible, scores, -jnp.inf)
+    # [Q G_pad]; a row may see no key in a masked block: its max stays -inf, exp uses 0.
     new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
     safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
     rescale = jnp.exp(row_max - safe_max)
     probs = jnp.exp(scores - safe_max[:, None])
     denom = denom * rescale + jnp.sum(probs, axis=1)
-    # [Q G_pad, H] = probs [Q G_pad, block_k] . values [block_k, H]
+    # [Q G_pad, H] = probs [Q G_pad, block] . values [block, H]
     block_out = lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
                                 precision=lax.Precision.HIGHEST,
                                 preferred_element_type=jnp.float32)
     return acc * rescale[:, None] + block_out, new_max, denom
 
-  def cached_block(block_index, carry):
-    # Blocks start at multiples of block_k, a divisor of C: each lies in one page.
-    block_start = split_start + block_index * block_k
-    # [block_k]
+  def page_block(block_start, masked: bool):
+    """Keys and values [block_k, H] of the cached block at `block_start` (a multiple of
+    block_k, a divisor of C: the block lies in one page) and its positions [block_k]."""
     position = block_start + jnp.arange(block_k)
-    valid = position < cached_end
     page = tables_ref[seq, jnp.minimum(block_start // page_size, num_blocks_table - 1)]
-    keys, values = (pltriton.load(ref.at[layer, page, pl.ds(block_start % page_size, block_k),
-                                         kv_head, :], mask=valid[:, None], other=0.0)
-                    for ref in (k_pages_ref, v_pages_ref))
-    return online(carry, keys, values, position, valid)
+    def at(ref):
+      return ref.at[layer, page, pl.ds(block_start % page_size, block_k), kv_head, :]
+    if masked:
+      valid = position < cached_end
+      keys, values = (pltriton.load(at(ref), mask=valid[:, None], other=0.0)
+                      for ref in (k_pages_ref, v_pages_ref))
+      return keys, values, valid[None, :]
+    return pltriton.load(at(k_pages_ref)), pltriton.load(at(v_pages_ref)), None
 
-  def new_block(block_index, carry):
-    block_start = new_start + block_index * block_k
-    block_end = jnp.minimum(block_start + block_k, new_end)
-    token = q_begin + block_start - first_position  # the block's first key among the tokens
-    if tokens >= block_k:
-      # A contiguous window of tokens, its start held inside the array (the keys a clamped
-      # window also covers before block_start are masked: the previous block had them).
-      window = jnp.minimum(token, tokens - block_k)
-      # [block_k]
-      position = first_position + window - q_begin + jnp.arange(block_k)
-      valid = (position >= block_start) & (position < block_end)
-      keys, values = (pltriton.load(ref.at[pl.ds(window, block_k), kv_head, :],
-                                    mask=valid[:, None], other=0.0)
-                      for ref in (k_new_ref, v_new_ref))
-    else:  # fewer tokens than a block (small decode batches): gathered rows
-      position = block_start + jnp.arange(block_k)
-      valid = position < block_end
-      at = jnp.where(valid, token + jnp.arange(block_k), tokens)
-      keys, values = (pltriton.load(ref.at[at[:, None], kv_head, dims[None, :]],
-                                    mask=valid[:, None], other=0.0)
-                      for ref in (k_new_ref, v_new_ref))
-    return online(carry, keys, values, position, valid)
+  # Loop 1: the cached keys. Each is below every query position of the tile (no causal mask);
+  # whole blocks load unmasked, the last partial one masked.
+  def full_cached(block_index, carry):
+    keys, values, _ = page_block(split_start + block_index * block_k, masked=False)
+    return online(carry, keys, values)
 
+  def tail_cached(block_index, carry):
+    keys, values, visible = page_block(split_start + block_index * block_k, masked=True)
+    return online(carry, keys, values, visible)
+
+  cached = jnp.maximum(cached_end - split_start, 0)
   initial = (jnp.zeros((tile_tokens * padded_group, head_dim), jnp.float32),
              jnp.full((tile_tokens * padded_group,), -jnp.inf, jnp.float32),
              jnp.zeros((tile_tokens * padded_group,), jnp.float32))
-  carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(cached_end - split_start, 0), block_k),
-                        cached_block, initial)
-  acc, row_max, denom = lax.fori_loop(0, pl.cdiv(jnp.maximum(new_end - new_start, 0), block_k),
-                                      new_block, carry)
+  carry = lax.fori_loop(0, cached // block_k, full_cached, initial)
+  carry = lax.fori_loop(cached // block_k, pl.cdiv(cached, block_k), tail_cached, carry)
+
+  # Loop 2: the call's own keys, from k_new / v_new. Keys below the tile's first position are
+  # seen by every row (interior blocks: contiguous token windows, unmasked); the blocks from
+  # there on are masked causally.
+  def own_block(block_start, masked: bool, size: int):
+    token = q_begin + block_start - first_position  # the block's first key among the tokens
+    if not masked:
+      keys, values = (pltriton.load(ref.at[pl.ds(token, size), kv_head, :])
+                      for ref in (k_new_ref, v_new_ref))
+      return keys, values, None
+    block_end = jnp.minimum(block_start + size, new_end)
+    if tokens >= size:
+      # A contiguous window of tokens, its start held inside the array (the keys a clamped
+      # window also covers before block_start are masked: an earlier block had them).
+      window = jnp.minimum(token, tokens - size)
+      # [size]
+      position = first_position + window - q_begin + jnp.arange(size)
+      valid = (position >= block_start) & (position < block_end)
+      keys, values = (pltriton.load(ref.at[pl.ds(window, size), kv_head, :],
+                                    mask=valid[:, None], other=0.0)
+                      for ref in (k_new_ref, v_new_ref))
+    else:  # fewer tokens than a block: gathered rows
+      position = block_start + jnp.arange(size)
+      valid = position < block_end
+      at = jnp.where(valid, token + jnp.arange(size), tokens)
+      keys, values = (pltriton.load(ref.at[at[:, None], kv_head, dims[None, :]],
+                                    mask=valid[:, None], other=0.0)
+                      for ref in (k_new_ref, v_new_ref))
+    visible = (position[None, :] <= row_position[:, None]) & valid[None, :]
+    return keys, values, visible
+
+  # A call of fewer tokens than block_k (small decode batches) has at most `tokens` own keys:
+  # one block of the next power of two (>= MIN_DOT_DIM) holds them all.
+  own_size = min(block_k, max(MIN_DOT_DIM, pl.next_power_of_2(tokens)))
+  tile_first = first_position + tile_start - q_begin  # the tile's first query position
+  interior = (jnp.maximum(jnp.minimum(new_end, tile_first) - new_start, 0) // own_size
+              if tokens >= own_size else 0)
+
+  def full_own(block_index, carry):
+    keys, values, _ = own_block(new_start + block_index * own_size, False, own_size)
+    return online(carry, keys, values)
+
+  def masked_own(block_index, carry):
+    keys, values, visible = own_block(new_start + block_index * own_size, True, own_size)
+    return online(carry, keys, values, visible)
+
+  carry = lax.fori_loop(0, interior, full_own, carry)
+  acc, row_max, denom = lax.fori_loop(
+      interior, pl.cdiv(jnp.maximum(new_end - new_start, 0), own_size), masked_own, carry)
+  # Padding rows of a region saw the keys unmasked: they output nothing (zeros).
+  acc = jnp.where(row_valid[:, None], acc, 0.0)
+  row_max = jnp.where(row_valid, row_max, -jnp.inf)
+  denom = jnp.where(row_valid, denom, 0.0)
 
   if len(out_refs) == 1:  # one split: normalise here
     (out_ref,) = out_refs
