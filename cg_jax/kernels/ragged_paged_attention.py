@@ -71,18 +71,25 @@ class RaggedPagedAttentionConfig:
     min_programs: the split is halved (down to block_k) while tiles x KV heads x splits would
       give fewer programs than this. 0 keeps `split_size`.
     num_warps, num_stages: Triton launch settings.
+
+  The defaults suit decode rows; prompt chunks run best with 64-row tiles (`PREFILL`). Both
+  from the H200 rows in benchmarks/results/ragged_paged_attention_v3_h200.md.
   """
 
   tile_rows: int = 16
   block_k: int = 64
   split_size: int = 4096
-  min_programs: int = 512
+  min_programs: int = 1024
   num_warps: int = 4
   num_stages: int = 2
 
   def __post_init__(self):
     check_split_config(self, ("tile_rows", "block_k", "split_size", "num_warps"),
                        ("tile_rows", "block_k"))
+
+
+# The config of prompt-chunk calls (many query tokens per sequence).
+PREFILL = RaggedPagedAttentionConfig(tile_rows=64, block_k=64)
 
 
 def _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts,
