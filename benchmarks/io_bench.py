@@ -156,8 +156,10 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
   # [steps, elements]: distinct device buffers, one per step
   chunks = [jnp.full((total_bytes // steps // 2,), i, jnp.bfloat16) for i in range(steps)]
 
+  tables = jnp.asarray(profile.identity_tables(runner, 1))
+
   def step_and_offload(weights, cache, tokens, positions, chunk):
-    return steps_fn.decode(weights, cache, tokens, positions, None), chunk
+    return steps_fn.decode(weights, cache, tokens, positions, tables, None), chunk
 
   with_chunk = jax.jit(step_and_offload, donate_argnums=(1, 2, 3),
                        out_shardings=(host_io.on_device(device), host_io.pinned_host(device)))
@@ -176,7 +178,7 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
                                                          chunks[i])
         copies.append(copy)
       else:
-        _, tokens, positions, cache = decode(weights, cache, tokens, positions, None)
+        _, tokens, positions, cache = decode(weights, cache, tokens, positions, tables, None)
     holder.set(cache)
     jax.block_until_ready((tokens, copies))
     return (time.perf_counter() - start) / steps, copies

@@ -26,7 +26,7 @@ import numpy as np
 from cg_jax import text, validation
 from cg_jax.core import attention, compile_stats
 from cg_jax.core.config import OPTION_NAMES, EngineConfig, on_gpu
-from cg_jax.core.executables import PREFIX_KINDS, SERVING_PHASES, ExecutableTable
+from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.core.kv_cache import CacheHolder
 from cg_jax.core.sampling import TOP_LOGPROBS, unpack_scores
 from cg_jax.core.scheduler import Scheduler
@@ -116,7 +116,7 @@ class Engine:
     self._split = place(config, weights, self.dtype, self._parallel)
     mesh = None if self._parallel is None else self._parallel.mesh
     steps = StepFunctions(self._split, e.forward, attention.for_forward(e.forward, mesh),
-                          e.tensor_parallel)
+                          attention.paged_for_forward(e.forward, mesh), e.tensor_parallel)
     # Compiled executables are also stored serialized beside the compilation cache.
     store = None if compilation_cache is False else self.compilation_cache_dir
     self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)
@@ -124,15 +124,13 @@ class Engine:
       inputs_at = cache_at = jax.devices()[0]
     else:
       inputs_at, cache_at = self._parallel.replicated(), self._parallel.cache()
+    # The paged KV cache (its blocks: `stats()`, `cg_jax.core.block_pool`).
     self.kv_cache = CacheHolder(lambda: self.executables.get(("cache",))(), cache_at)
-    # The prefix cache's block pool (`cg_jax.core.prefix_cache`), or None when it is off.
-    self.prefix_pool = (CacheHolder(lambda: self.executables.get(("pool",))(), cache_at)
-                        if e.prefix_blocks else None)
     # Where request arrays go: the first device, or replicated over the tensor-parallel mesh.
     self.input_placement = inputs_at
     self._lock = threading.RLock()
-    self._scheduler = Scheduler(e, self.executables, self.kv_cache, self.prefix_pool,
-                                self._split.weights, inputs_at, tokenizer, self._lock)
+    self._scheduler = Scheduler(e, self.executables, self.kv_cache, self._split.weights,
+                                inputs_at, tokenizer, self._lock)
     self._logits_fn = jax.jit(lambda w, t: self._split.merge(w).logits(
         t, attention=steps.attention, shards=e.tensor_parallel))
     self._compiles_at_warmup: int | None = None
@@ -171,23 +169,19 @@ class Engine:
     """A new engine over the same device weights with other options (e.g. another graph mode
     or layer loop), for side-by-side comparisons in one process. It shares this engine's
     executables when its configuration differs only in host-side settings (the readback lag,
-    the queue's size), and all but the prefix cache's when the prefix cache's size differs
-    too."""
+    the queue's size)."""
     engine = Engine(self.model_config, self.weights(), dtype=self.dtype.name,
                     tokenizer=self.tokenizer, **{**self._options, **options})
     host_only = {"readback_lag": 0, "max_waiting": 0}
     mine, theirs = self.config.options() | host_only, engine.config.options() | host_only
     if mine == theirs:
       engine.executables.share(self.executables)
-    elif mine | {"prefix_cache_tokens": 0} == theirs | {"prefix_cache_tokens": 0}:
-      engine.executables.share(self.executables, except_kinds=PREFIX_KINDS)
     return engine
 
   def _check_memory(self, limit: int | None) -> None:
     config, engine = self.model_config, self.config
-    # The cache's rows and the prefix cache's pool.
-    kv = cache_bytes(config, engine.buckets.max_batch, engine.max_seq_len, self.dtype)
-    kv += cache_bytes(config, 1, engine.prefix_blocks * engine.prefix_block, self.dtype)
+    # The paged cache: the rows' blocks, the prefix cache's and the scratch block.
+    kv = cache_bytes(config, engine.num_blocks + 1, engine.prefix_block, self.dtype)
     weights = config.num_parameters() * self.dtype.itemsize
     limit = limit if limit is not None else _device_memory_bytes(jax.local_devices()[0])
     # Per device, approximately: weights and cache over the devices (the replicated embeddings,
@@ -244,8 +238,6 @@ class Engine:
       times = self.executables.compile(keys, progress=progress, workers=workers,
                                        on_progress=on_progress)
       self.kv_cache.get()
-      if self.prefix_pool is not None and ("pool",) in keys:
-        self.prefix_pool.get()
       self._compiles_at_warmup = compile_stats.compile_count()
     self._warmup_wall_s = time.perf_counter() - start
     return times
@@ -451,9 +443,8 @@ class Engine:
   def reset_prefix_cache(self) -> None:
     """Forget every cached prefix (waits until no request is queued or running); the counters
     in `stats()` stay."""
-    if self._scheduler.prefix is not None:
-      with self._scheduler.exclusive():
-        self._scheduler.prefix.clear()
+    with self._scheduler.exclusive():
+      self._scheduler.blocks.reset()
 
   def close(self) -> None:
     """Finish: every queued or running request fails with `cg_jax.handles.EngineClosed`, and
@@ -481,15 +472,11 @@ class Engine:
     with self._lock:
       self._scheduler.pause()
       self.kv_cache.swap_out()
-      if self.prefix_pool is not None:
-        self.prefix_pool.swap_out()
 
   def swap_in(self) -> None:
     """Bring a swapped-out KV cache back to device memory."""
     with self._lock:
       self.kv_cache.swap_in()
-      if self.prefix_pool is not None:
-        self.prefix_pool.swap_in()
     self._scheduler.resume()
 
   @property

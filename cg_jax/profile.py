@@ -199,6 +199,13 @@ def _inputs(engine, tree):
   return jax.device_put(tree, engine.input_placement)
 
 
+def identity_tables(engine, batch: int) -> np.ndarray:
+  """int32 [batch, W]: row b owns blocks b W .. (b + 1) W - 1 of the paged cache (the static
+  path's rows; the cache has a full table per row of the largest batch bucket)."""
+  width = engine.config.table_width
+  return np.arange(batch * width, dtype=np.int32).reshape(batch, width)
+
+
 def prepare_decode(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, DecodeState]:
   """Compile the greedy decode step for `batch`, fill the KV cache with random values (timing
   on zeros can flatter), and return (step executable, start state). Tokens and positions are
@@ -221,6 +228,7 @@ def prepare_decode(engine, batch: int, position: int, seed: int = 0) -> tuple[An
 def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
   """Run `steps` decode steps; returns (wall seconds, per-call host dispatch seconds)."""
   tokens, positions = _inputs(engine, (jnp.array(state.tokens), jnp.array(state.positions)))
+  tables = _inputs(engine, identity_tables(engine, tokens.shape[0]))
   weights, holder = engine.executables.steps.split.weights, engine.kv_cache
   cache = holder.get()
   dispatch = []
@@ -228,7 +236,7 @@ def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
   start = time.perf_counter()
   for _ in range(steps):
     call = time.perf_counter()
-    tokens, positions, cache, _ = decode(weights, cache, tokens, positions, None)
+    tokens, positions, cache, _ = decode(weights, cache, tokens, positions, tables, None)
     dispatch.append(time.perf_counter() - call)
     if read_back:
       np.asarray(tokens)
@@ -284,15 +292,15 @@ def time_prefill(engine, batch: int, prompt_len: int, *, repeats: int = 10,
   prefill = engine.executables.get(("prefill", bucket, length))
   first = engine.executables.get(("first", bucket, True))
   rng = np.random.default_rng(seed)
-  tokens, lengths = _inputs(engine, (
+  tokens, lengths, tables = _inputs(engine, (
       rng.integers(0, engine.model_config.vocab_size, (bucket, length)).astype(np.int32),
-      np.full((bucket,), prompt_len, np.int32)))
+      np.full((bucket,), prompt_len, np.int32), identity_tables(engine, bucket)))
   weights, holder = engine.executables.steps.split.weights, engine.kv_cache
 
   def once():
     cache = jax.block_until_ready(holder.get())
     start = time.perf_counter()
-    logits, cache = prefill(weights, cache, tokens, lengths)
+    logits, cache = prefill(weights, cache, tokens, lengths, tables)
     jax.block_until_ready(first(logits, lengths, None))
     elapsed = time.perf_counter() - start
     holder.set(cache)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cg_jax.profile import identity_tables
 from cg_jax import Buckets, Engine, EngineConfig
 from cg_jax.core import compile_stats
 from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
@@ -87,19 +88,18 @@ def test_no_compiles_after_warmup(engine):
 
 
 def test_with_options_reuses_the_executables_an_option_does_not_change(engine):
-  """Another queue size and no prefix cache: the new engine compiles nothing (the prefix
-  cache's executables are the only ones that depend on it) and gives the same tokens; another
-  prefix-cache size compiles only the prefix cache's executables."""
+  """Another queue size and readback lag: the new engine compiles nothing and gives the same
+  tokens; another prefix-cache size changes the paged cache's block count, so it compiles its
+  own executables."""
   before = compile_stats.compile_count()
-  other = engine.with_options(max_waiting=7, prefix_cache_tokens=0)
+  other = engine.with_options(max_waiting=7, readback_lag=1)
   other.warmup(phases=SERVING_PHASES, progress=False)
   prompts = _prompts(3, [5, 12])
   assert other.generate(prompts, max_new_tokens=4, eos_token_id=[]) == engine.generate(
       prompts, max_new_tokens=4, eos_token_id=[])
   assert compile_stats.compile_count() == before
   smaller = engine.with_options(prefix_cache_tokens=engine.config.prefix_block * 2)
-  smaller.warmup(phases=SERVING_PHASES, progress=False)
-  assert compile_stats.compile_count() == before + 3  # pool, load, save
+  assert smaller.config.num_blocks == engine.config.num_blocks - engine.config.prefix_blocks + 2
   other.close()
   smaller.close()
 
@@ -122,10 +122,11 @@ def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
   batch, length = buckets.batch_sizes[0], buckets.prompt_lengths[0]
   weights, ones = table.steps.split.weights, np.ones((batch,), np.int32)
   with engine._scheduler.exclusive():
+    tables = identity_tables(engine, batch)
     new, logits, cache = table.get(("prompts", batch, length))(
-        weights, engine.kv_cache.get(), np.ones((batch, length), np.int32), ones, np.int32(0))
+        weights, engine.kv_cache.get(), np.ones((batch, length), np.int32), ones, tables)
     tokens, _, cache, emitted = table.get(("decode", batch, True))(
-        weights, cache, np.asarray(new), ones, None)
+        weights, cache, np.asarray(new), ones, tables, None)
     engine.kv_cache.set(cache)
   assert new.sharding.memory_kind == emitted.sharding.memory_kind == "pinned_host"
   assert logits.sharding.memory_kind == tokens.sharding.memory_kind == "device"
@@ -351,21 +352,24 @@ def test_stored_executables_load_and_a_bad_file_is_compiled_again(engine, tmp_pa
                            None, store=tmp_path)
 
   first, second = table(), table()
-  cache = first.get(("cache",))()
-  moved = first.get(("move",))(cache, np.int32(0), np.int32(1))
-  assert first.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 2
-  again = second.get(("move",))(second.get(("cache",))(), np.int32(0), np.int32(1))
-  assert second.loaded == 2
-  np.testing.assert_array_equal(np.asarray(again.k), np.asarray(moved.k))
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(1, engine.model_config.vocab_size)).astype(np.float32)
+  token = np.array([3], np.int32)
+  key = ("token_logprobs", 1)
+  scored = first.get(key)(logits, token)
+  assert first.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 1
+  again = second.get(key)(logits, token)
+  assert second.loaded == 1
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(scored))
   for path in (tmp_path / "executables").iterdir():
     path.write_bytes(b"not an executable")
   with pytest.warns(UserWarning, match="could not load the stored executable"):
     third = table()
-    third.get(("move",))
+    third.get(key)
   assert third.loaded == 0
   other = table(dataclasses.replace(engine.config, readback_lag=1))
-  other.get(("move",))
-  assert other.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 3
+  other.get(key)
+  assert other.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 2
 
 
 def test_prefill_gemm_default_follows_the_model_width():
@@ -409,7 +413,8 @@ def test_static_prefill_gives_generates_first_tokens(engine):
   cache = engine.kv_cache
   with engine._scheduler.exclusive():
     logits, new_cache = engine.executables.get(("prefill", 2, 16))(
-        engine.executables.steps.split.weights, cache.get(), tokens, lengths)
+        engine.executables.steps.split.weights, cache.get(), tokens, lengths,
+        identity_tables(engine, 2))
     cache.set(new_cache)
     first = np.asarray(engine.executables.get(("first", 2, True))(logits, lengths, None))
   expected = engine.generate(prompts, max_new_tokens=1, eos_token_id=[])

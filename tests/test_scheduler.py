@@ -103,18 +103,19 @@ def test_concurrent_requests_equal_their_solo_runs(engine, engine_off, prefix_ca
 
 
 def test_prefix_cache_eviction_keeps_tokens(engine_off):
-  """A pool of 3 blocks of 8 tokens, cycled through by prompts (each twice in a row) of
-  several prefixes: blocks are evicted and reused, and every request's tokens equal the engine
-  without the cache."""
-  small = engine_off.with_options(prefix_cache_tokens=24, prefix_block=8)
-  prompts = [p + [7] for p in _prompts(11, 5) if len(p) >= 9 for _ in range(2)] * 2
+  """A paged cache of 11 blocks of 8 tokens (one row's table of 8 and 3 for prefixes), cycled
+  through by prompts (each twice in a row) of several prefixes: cached blocks are evicted and
+  reused, and every request's tokens equal the engine without the cache."""
+  small = engine_off.with_options(prefix_cache_tokens=24, prefix_block=8, batch_buckets=(1,))
+  prompts = [p + [7] for p in _prompts(11, 12) if len(p) >= 9 for _ in range(2)]
   expected = [engine_off.generate([p], max_new_tokens=5, eos_token_id=[])[0] for p in prompts]
   assert [small.generate([p], max_new_tokens=5, eos_token_id=[])[0] for p in prompts] == expected
   stats = small.stats()
   assert stats["prefix_cache_evictions"] > 0 and stats["prefix_cache_hits"] > 0
-  assert stats["prefix_cache_blocks_used"] <= 3
+  assert stats["kv_blocks"] == 11 and stats["kv_blocks_used"] == 0
+  assert stats["kv_blocks_cached"] + stats["kv_blocks_free"] == 11
   small.reset_prefix_cache()
-  assert small.stats()["prefix_cache_blocks_used"] == 0
+  assert small.stats()["kv_blocks_cached"] == 0
   small.generate([prompts[0]], max_new_tokens=5, eos_token_id=[])
   assert small.stats()["prefix_cache_misses"] == stats["prefix_cache_misses"] + 1
   small.close()

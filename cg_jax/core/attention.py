@@ -15,9 +15,12 @@ contract and the plain-XLA reference).
   PagedAttention   the same methods over a paged cache: k_all, v_all are pages
                    [L, M, C, K, H] and row b of a call reads and writes the blocks of its own
                    block table; the ragged paged kernel (one call per layer, the cache write
-                   fused) or gathered pages with XLA ops. Not used by the engine yet.
+                   fused) or gathered pages with XLA ops. The engine's cache-using steps.
 
-`for_forward(config, mesh)` picks the implementation of a `ForwardConfig`.
+`for_forward(config, mesh)` picks the cache-free implementation of a `ForwardConfig` and
+`paged_for_forward(config, mesh)` its paged one (tables given per call).
+(`PallasAttention`'s cache methods, `AtRows` and the slot kernels serve the kernel benchmarks and
+tests until the paged kernel matches them.)
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from cg_jax.core.config import ForwardConfig
 from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
                                              decode_attention_with_write)
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
-from cg_jax.kernels.ragged_paged_attention import (RaggedPagedAttentionConfig,
+from cg_jax.kernels.ragged_paged_attention import (PREFILL, RaggedPagedAttentionConfig,
                                                    ragged_paged_attention)
 from models.attention import XlaAttention, softmax_attention, write_prompt, write_token
 
@@ -157,7 +160,7 @@ class PagedAttention:
     inner: the cache-free `causal` attention (XLA or the Pallas flash kernel).
     tables: int32 [B, W], the call's rows' block tables (traced).
     kernel: the ragged paged kernel (else XLA: the rows' pages gathered, then masked softmax).
-    config: the kernel's block config.
+    config: the kernel's block config for decode steps; prefill_config: for prompt chunks.
     mesh: the tensor-parallel mesh (heads split over it) or None.
     interpret: run the kernel in the Pallas interpreter.
   """
@@ -166,6 +169,7 @@ class PagedAttention:
   tables: Any
   kernel: bool = False
   config: RaggedPagedAttentionConfig = RaggedPagedAttentionConfig()
+  prefill_config: RaggedPagedAttentionConfig = PREFILL
   mesh: Any = None
   interpret: bool = False
 
@@ -174,27 +178,29 @@ class PagedAttention:
 
   def prefill(self, q, k, v, lengths, k_all, v_all, layer):
     # q [B, S, N, H]: row b's first lengths[b] tokens at positions 0..
-    return self._rows(q, k, v, jnp.zeros_like(lengths), lengths, k_all, v_all, layer)
+    return self._rows(q, k, v, jnp.zeros_like(lengths), lengths, k_all, v_all, layer,
+                      self.prefill_config)
 
   def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
     # q [B, C, N, H]; positions [B, C]: a row's real tokens first, at consecutive positions,
     # padding (-1) after. `rows` is not needed: the tables are the call's rows' own.
     counts = jnp.sum(positions >= 0, axis=1, dtype=jnp.int32)
-    return self._rows(q, k, v, jnp.maximum(positions[:, 0], 0), counts, k_all, v_all, layer)
+    return self._rows(q, k, v, jnp.maximum(positions[:, 0], 0), counts, k_all, v_all, layer,
+                      self.prefill_config)
 
   def decode(self, q, k, v, positions, k_all, v_all, layer):
     # q [B, N, H] -> [B, 1, N, H]; a negative position is an idle row (no token)
     out, k_all, v_all = self._rows(q[:, None], k[:, None], v[:, None],
                                    jnp.maximum(positions, 0), (positions >= 0).astype(jnp.int32),
-                                   k_all, v_all, layer)
+                                   k_all, v_all, layer, self.config)
     return out[:, 0], k_all, v_all
 
-  def _rows(self, q, k, v, starts, counts, k_all, v_all, layer):
+  def _rows(self, q, k, v, starts, counts, k_all, v_all, layer, config):
     """Row b's first counts[b] tokens of q [B, S, N, H] (k, v [B, S, K, H]) at positions
     starts[b].., attending causally to its keys; the other tokens are padding (zeros out)."""
     batch, size = q.shape[:2]
     if self.kernel:
-      return self._kernel(q, k, v, starts, counts, k_all, v_all, layer)
+      return self._kernel(q, k, v, starts, counts, k_all, v_all, layer, config)
     _, num_pages, page_size, kv_heads, head_dim = k_all.shape
     width = self.tables.shape[1]
     # [B, S]: each token's position, whether it is real, its block and slot
@@ -214,7 +220,7 @@ class PagedAttention:
     out = softmax_attention(q, keys, values, mask)
     return jnp.where(real[..., None, None], out, 0), k_all, v_all
 
-  def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer):
+  def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer, config):
     batch, size, heads, head_dim = q.shape
     mesh = self.mesh
     heads_spec = None if mesh is None else _heads(mesh, 3, 1)
@@ -224,7 +230,7 @@ class PagedAttention:
 
     def kernel(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts, query_lens):
       return ragged_paged_attention(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts,
-                                    query_lens, config=self.config, interpret=self.interpret)
+                                    query_lens, config=config, interpret=self.interpret)
 
     # [B, S, N, H] -> [B S, N, H]
     flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731
@@ -243,3 +249,15 @@ def for_forward(config: ForwardConfig, mesh=None):
                          prefill_config=config.prefill_attention,
                          fused_write=config.cache_write == "fused", mesh=mesh,
                          interpret=interpret_pallas())
+
+
+def paged_for_forward(config: ForwardConfig, mesh=None) -> PagedAttention:
+  """The paged attention of a forward config, without tables (`dataclasses.replace` them in per
+  call): the ragged paged kernel with Pallas attention, gathered pages with XLA. Batch-invariant
+  configs fix the kernel's split count by the block table alone (min_programs 0)."""
+  decode, prefill = RaggedPagedAttentionConfig(), PREFILL
+  if config.batch_invariant:
+    decode, prefill = (dataclasses.replace(c, min_programs=0) for c in (decode, prefill))
+  return PagedAttention(inner=for_forward(config, mesh), tables=None,
+                        kernel=config.attention == "pallas", config=decode,
+                        prefill_config=prefill, mesh=mesh, interpret=interpret_pallas())

@@ -84,15 +84,17 @@ class BlockPool:
       taken.append(block)
     return taken
 
-  def match(self, prompt: Sequence[int]) -> list[int]:
+  def match(self, prompt: Sequence[int], multiple: int = 1) -> list[int]:
     """The blocks holding `prompt`'s longest indexed prefix (whole blocks, at most
-    len(prompt) - 1 tokens), each with one more reference; counts a hit or a miss."""
+    len(prompt) - 1 tokens, a multiple of `multiple` blocks), each with one more reference;
+    counts a hit or a miss."""
     found = []
     for digest in block_digests(prompt[:len(prompt) - 1], self.block_size):
       block = self._block.get(digest)
       if block is None:
         break
       found.append(block)
+    found = found[:len(found) // multiple * multiple]
     for block in found:
       if self._refs[block] == 0:
         del self._cached[block]

@@ -156,10 +156,12 @@ class EngineConfig:
     step is read synchronously).
   tensor_parallel: devices the model is split over (`cg_jax.core.sharding`).
   max_waiting: requests the scheduler's waiting queue holds; more is a `QueueFull` error.
-  prefix_cache_tokens: the prefix cache's pool size in tokens (`cg_jax.core.prefix_cache`): prompts
-    that start with cached blocks reuse their keys and values; 0 turns it off (the field's
-    default; `create` turns it on).
-  prefix_block: tokens per prefix-cache block (a prefix is reused in whole blocks).
+  prefix_cache_tokens: blocks' worth of tokens the paged cache holds beyond the rows' own
+    (`num_blocks`) for finished prompts' cached prefixes: a prompt that starts with cached blocks
+    shares them (`cg_jax.core.block_pool`); 0 turns prefix caching off (the field's default;
+    `create` turns it on).
+  prefix_block: tokens per KV-cache block C, the paged cache's page and the prefix cache's unit
+    (a prefix is shared in whole blocks); with the Pallas kernel a power of two >= 16.
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
     sorted (name, value) pairs.
   batch_invariant: a request's logits do not depend on the other requests, the slot or the
@@ -202,6 +204,10 @@ class EngineConfig:
     if not _is_int(self.prefix_block) or not 1 <= self.prefix_block < self.max_seq_len:
       raise ValueError(f"prefix_block must be an int in [1, {self.max_seq_len - 1}] (below "
                        f"max_seq_len), got {self.prefix_block!r}")
+    if self.forward.attention == "pallas" and (
+        self.prefix_block < 16 or self.prefix_block & (self.prefix_block - 1)):
+      raise ValueError(f"prefix_block (the KV-cache page size) must be a power of two >= 16 "
+                       f"for the Pallas attention kernel, got {self.prefix_block}")
     if not _is_int(self.prefix_cache_tokens) or not (
         self.prefix_cache_tokens == 0 or self.prefix_cache_tokens >= self.prefix_block):
       raise ValueError(f"prefix_cache_tokens must be 0 (off) or an int >= prefix_block "
@@ -250,9 +256,9 @@ class EngineConfig:
              prefix_block: int | None = None, compiler_options: Mapping[str, Any] | None = None,
              batch_invariant: bool = False, **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
-    min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below max_seq_len; a prefix
-    cache of 4 x max_seq_len tokens in blocks of min(16, max_seq_len - 1); the prompt
-    executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
+    min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below
+    max_seq_len; a prefix cache of 4 x max_seq_len tokens; KV blocks of 64 tokens with the
+    Pallas kernel, else of min(16, max_seq_len - 1); the prompt executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
     the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
     min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
     if max_seq_len is None:
@@ -262,8 +268,6 @@ class EngineConfig:
         prompt_buckets = (min(INVARIANT_CHUNK, max_seq_len - 1),)
       if prompt_buckets is None:
         prompt_buckets = powers_of_two(min(16, max_seq_len - 1), max_seq_len - 1)
-      if prefix_block is None:
-        prefix_block = min(16, max_seq_len - 1)
       if prefix_cache_tokens is None:
         prefix_cache_tokens = 4 * max_seq_len
     if prefill_gemm is None:
@@ -275,10 +279,14 @@ class EngineConfig:
     if batch_invariant is True and buckets.max_batch > MAX_MATMUL_ROWS:
       raise ValueError(f"batch_invariant=True pads decode steps to the largest batch bucket, at "
                        f"most {MAX_MATMUL_ROWS}; got batch_buckets={buckets.batch_sizes}")
+    forward = ForwardConfig.create(batch_invariant=batch_invariant, max_batch=buckets.max_batch,
+                                   **forward_options)
+    if prefix_block is None and _is_int(max_seq_len) and max_seq_len >= 2:
+      # Pages of 64 tokens beat 16 in every H200 decode row of the paged kernel.
+      pallas = forward.attention == "pallas" and max_seq_len > 64
+      prefix_block = 64 if pallas else min(16, max_seq_len - 1)
     config = cls(
-        max_seq_len=max_seq_len, buckets=buckets,
-        forward=ForwardConfig.create(batch_invariant=batch_invariant, max_batch=buckets.max_batch,
-                                     **forward_options),
+        max_seq_len=max_seq_len, buckets=buckets, forward=forward,
         graphs=graphs, readback_lag=readback_lag, prefill_gemm=prefill_gemm,
         tensor_parallel=tensor_parallel, max_waiting=max_waiting,
         prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block,
@@ -297,8 +305,25 @@ class EngineConfig:
 
   @property
   def prefix_blocks(self) -> int:
-    """Blocks in the prefix cache's pool (0: off)."""
+    """Blocks held for cached prefixes beyond the rows' own (0: prefix caching off)."""
     return self.prefix_cache_tokens // self.prefix_block
+
+  @property
+  def table_width(self) -> int:
+    """W: blocks in one sequence's block table (max_seq_len tokens)."""
+    return -(-self.max_seq_len // self.prefix_block)
+
+  @property
+  def num_blocks(self) -> int:
+    """N: the paged cache's blocks: a full block table per row of the largest batch bucket,
+    plus the prefix cache's. The cache holds one more, the scratch block that padding rows
+    write (`scratch_block`)."""
+    return self.buckets.max_batch * self.table_width + self.prefix_blocks
+
+  @property
+  def scratch_block(self) -> int:
+    """The block padding rows' tables name: written, never read."""
+    return self.num_blocks
 
   @property
   def xla_options(self) -> dict[str, Any]:

@@ -1,15 +1,12 @@
 """The executable table: one ahead-of-time compiled executable per (phase, bucket).
 
 Keys (plain tuples, as `keys()` lists them):
-  ("cache",)                      allocate the zeroed KV cache
-  ("prompts", batch, length)      the first chunk of `batch` prompts into consecutive cache slots
+  ("cache",)                      allocate the zeroed paged KV cache
+  ("prompts", batch, length)      the first chunk of `batch` prompts into their blocks
                                   (batch: the batch buckets up to PROMPT_BATCH)
   ("chunk", batch, length)        later chunks of `batch` prompts, each at its cache offset
                                   (batch: the batch buckets up to PROMPT_BATCH)
-  ("decode", batch, greedy)       one decode step over cache rows [0, batch)
-  ("move",)                       copy one cache row to another (slot compaction)
-  ("pool",)                       allocate the zeroed prefix-cache block pool
-  ("load",) / ("save",)           copy prefix blocks from the pool into a slot / from a slot
+  ("decode", batch, greedy)       one decode step over `batch` rows, each over its block table
   ("logprobs", batch)             a decode step that also scores its tokens (log-probabilities)
   ("token_logprobs", batch)       the scores of the tokens a prompt executable chose
   ("score", length)               the log-probability of each token of a prompt (`echo`)
@@ -18,9 +15,10 @@ Keys (plain tuples, as `keys()` lists them):
                                   draw of a prompt call with a sampling row (batch: the batch
                                   buckets up to PROMPT_BATCH); with True, the static path's
 
-`greedy` True is the executable without sampling arrays. The scheduler (`cg_jax.core.scheduler`)
-uses the serving phases (`SERVING_PHASES`: prompts, chunk, decode, move and, with the prefix
-cache on, "prefix": pool, load, save) and, for requests with log-probabilities, "logprobs"
+`greedy` True is the executable without sampling arrays. Every executable that reads or writes
+the cache takes the block tables of its rows (int32 [batch, W]; `cg_jax.core.steps`): no
+executable copies cache blocks. The scheduler (`cg_jax.core.scheduler`) uses the serving phases
+(`SERVING_PHASES`: prompts, chunk, decode) and, for requests with log-probabilities, "logprobs"
 (logprobs, token_logprobs, score: compiled on first use unless warmed up); the static
 "prefill" and the greedy "first" serve benchmarks and profiles.
 The prompt executables (`PREFILL_KINDS`) compile with `EngineConfig.prefill_xla_options` (their
@@ -66,11 +64,9 @@ from cg_jax.core.steps import StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("prompts", "chunk", "decode", "move", "prefix", "logprobs", "prefill", "first")
-SERVING_PHASES = ("prompts", "chunk", "decode", "move", "prefix")
+PHASES = ("prompts", "chunk", "decode", "logprobs", "prefill", "first")
+SERVING_PHASES = ("prompts", "chunk", "decode")
 PREFILL_KINDS = ("prompts", "chunk", "score", "prefill")
-# The executables that depend on the prefix cache's size (the rest do not).
-PREFIX_KINDS = ("pool", "load", "save")
 # The most prompts prefilled together by the scheduler.
 PROMPT_BATCH = 16
 
@@ -122,15 +118,11 @@ class ExecutableTable:
     if "prompts" in phases or "chunk" in phases:
       # The prompt executables pick greedily; a call with a sampling row draws from its logits.
       keys += [("first", batch, False) for batch in self.prompt_batches() if batch in batch_sizes]
-    if "move" in phases:
-      keys.append(("move",))
     if "logprobs" in phases:
       keys += [("logprobs", batch) for batch in batch_sizes]
       keys += [("token_logprobs", batch) for batch in self.prompt_batches() if batch in batch_sizes]
       keys += [("score", length) for length in self.score_lengths()
                if length in prompt_lengths or length > b.max_prompt_len]
-    if "prefix" in phases and self.config.prefix_blocks:
-      keys += [("pool",), ("load",), ("save",)]
     for batch in batch_sizes:
       if "prefill" in phases:
         keys += [("prefill", batch, length) for length in prompt_lengths]
@@ -153,20 +145,11 @@ class ExecutableTable:
     return tuple(b for b in sizes if b <= PROMPT_BATCH) or sizes[:1]
 
   def cache_spec(self) -> KVCache:
+    """The paged cache: [L, N + 1, C, K, H] per key and value (N blocks and the scratch one)."""
     c, e = self.model, self.config
-    shape = (c.num_layers, e.buckets.max_batch, e.max_seq_len, c.num_kv_heads, c.head_dim)
+    shape = (c.num_layers, e.num_blocks + 1, e.prefix_block, c.num_kv_heads, c.head_dim)
     spec = jax.ShapeDtypeStruct(shape, self.dtype)
     return KVCache(k=spec, v=spec)
-
-  def pool_spec(self) -> KVCache:
-    c, e = self.model, self.config
-    shape = (c.num_layers, e.prefix_blocks, e.prefix_block, c.num_kv_heads, c.head_dim)
-    spec = jax.ShapeDtypeStruct(shape, self.dtype)
-    return KVCache(k=spec, v=spec)
-
-  def block_pairs(self) -> int:
-    """P: the (slot, block) pairs one load or save copies: four cache rows' worth of blocks."""
-    return 4 * max(self.config.max_seq_len // self.config.prefix_block, 1)
 
   def signature(self, key: tuple):
     """(function, abstract arguments, donated argument numbers, input placements, output
@@ -177,52 +160,39 @@ class ExecutableTable:
     rep, state = "replicated", ("weights", "cache")
     if phase == "cache":
       c, e = self.model, self.config
-      return (lambda: init_cache(c, e.buckets.max_batch, e.max_seq_len, self.dtype)), (), (), (), \
+      return (lambda: init_cache(c, e.num_blocks + 1, e.prefix_block, self.dtype)), (), (), (), \
           "cache"
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    if phase == "move":
-      return steps.move, (cache, scalar, scalar), (0,), ("cache", rep, rep), "cache"
-    if phase == "pool":
-      pool = self.pool_spec()
-      return (lambda: KVCache(k=jnp.zeros(pool.k.shape, pool.k.dtype),
-                              v=jnp.zeros(pool.v.shape, pool.v.dtype))), (), (), (), "cache"
-    pairs = self.block_pairs()
-    if phase == "load":
-      return (steps.load, (cache, self.pool_spec(), i32(pairs), i32(pairs), i32(pairs)), (0,),
-              ("cache", "cache", rep, rep, rep), "cache")
-    if phase == "save":
-      return (steps.save, (self.pool_spec(), cache, i32(pairs), i32(pairs), i32(pairs)), (0,),
-              ("cache", "cache", rep, rep, rep), "cache")
+    width = self.config.table_width
     if phase == "prompts":
       _, batch, length = key
-      return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), scalar), (1,),
-              state + (rep,) * 3, ("host", rep, "cache"))
+      return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), i32(batch, width)),
+              (1,), state + (rep,) * 3, ("host", rep, "cache"))
     if phase == "chunk":
       _, batch, length = key
-      return (steps.chunk, (weights, cache, i32(batch, length), i32(batch), i32(batch),
+      return (steps.chunk, (weights, cache, i32(batch, length), i32(batch, width), i32(batch),
                             i32(batch)), (1,), state + (rep,) * 4, ("host", rep, "cache"))
     if phase == "score":
       return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
     if phase == "logprobs":
       batch = key[1]
-      return (steps.decode_scored, (weights, cache, i32(batch), i32(batch),
+      return (steps.decode_scored, (weights, cache, i32(batch), i32(batch), i32(batch, width),
                                     SamplingArrays.spec(batch)), (1, 2, 3),
-              state + (rep, rep, rep), (rep, rep, "cache", "host", "host"))
+              state + (rep,) * 4, (rep, rep, "cache", "host", "host"))
     if phase == "token_logprobs":
       batch = key[1]
       logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
       return steps.token_logprobs, (logits, i32(batch)), (), (rep, rep), "host"
     _, batch, extra = key
     if phase == "prefill":
-      return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch)), (1,),
-              state + (rep, rep), (rep, "cache"))
+      return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch), i32(batch, width)),
+              (1,), state + (rep,) * 3, (rep, "cache"))
     sampling = None if extra else SamplingArrays.spec(batch)
     if phase == "first":
       logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
       return (steps.first_token, (logits, i32(batch), sampling), (), (rep, rep, rep), "host")
     if phase == "decode":
-      return (steps.decode, (weights, cache, i32(batch), i32(batch), sampling), (1, 2, 3),
-              state + (rep, rep, rep), (rep, rep, "cache", "host"))
+      return (steps.decode, (weights, cache, i32(batch), i32(batch), i32(batch, width), sampling),
+              (1, 2, 3), state + (rep,) * 4, (rep, rep, "cache", "host"))
     raise KeyError(key)
 
   def lower(self, key: tuple):

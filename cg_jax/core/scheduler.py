@@ -1,26 +1,28 @@
-"""Continuous batching over the KV cache's slots: one engine thread owns the device.
+"""Continuous batching over a paged KV cache: one engine thread owns the device.
 
 Requests wait in a bounded FIFO. The engine thread loops:
-  1. retire: finished, cancelled and timed-out requests leave their slots; the last occupied
-     slot moves into each freed one (a cache-row copy), so the occupied slots stay [0, n);
-  2. admit: waiting requests take the free slots;
-  3. prefill: a new prompt that starts with blocks in the prefix cache gets their keys and values
-     copied into its slot and prefills only the rest; then one executable between two decode
-     steps (up to PROMPT_BATCH prompts and PREFILL_TOKENS padded tokens, chunk sizes from
-     `prompt_buckets`): the next chunks of prompts already started (a cached prefix, or longer
-     than the largest chunk), each at its cache offset, first come first served; or else the
-     first chunks of newly admitted prompts, attended by the prefill kernel. So a long prompt
-     delays the running streams by one chunk per step. A request whose prompt is complete
-     joins the decode batch with its first token, sampled in that executable, and its full
-     blocks are copied into the prefix cache;
-  4. decode: one step over slots [0, bucket), the smallest batch bucket holding the occupied
-     slots; slots still prefilling are idle rows (position -1: no cache write, no attention).
+  1. retire: finished, cancelled and timed-out requests leave their rows and give their blocks
+     back; the last occupied row takes each freed one (its block table moves with it, no cache
+     bytes), so the occupied rows stay [0, n);
+  2. admit: waiting requests take the free rows while the block pool has blocks for their whole
+     life (prompt and max_new_tokens); a prompt that starts with cached blocks shares them
+     (a prefix-cache hit copies nothing) and prefills only the rest;
+  3. prefill: one executable between two decode steps (up to PROMPT_BATCH prompts and
+     PREFILL_TOKENS padded tokens, chunk sizes from `prompt_buckets`): the next chunks of
+     prompts already started (a cached prefix, or longer than the largest chunk), each at its
+     cache offset, first come first served; or else the first chunks of newly admitted
+     prompts. So a long prompt delays the running streams by one chunk per step. A request
+     whose prompt is complete joins the decode batch with its first token, sampled in that
+     executable, and its full blocks become shareable;
+  4. decode: one step over rows [0, bucket), the smallest batch bucket holding the occupied
+     rows; rows still prefilling are idle (position -1: no cache write, no attention).
      Up to `readback_lag` steps are in flight; the batch changes only once none is.
 Tokens go to each caller's own buffer, so a slow or absent consumer never blocks the loop.
 
 The policy of steps 1-4 lives in `cg_jax.core.step_plan`: its `Planner` returns each phase's plan
-(which requests, slots, blocks and executable key) from host state; the engine thread here runs
-the plans: it calls the executables, copies prefix blocks, reads tokens back and delivers them.
+(which requests, rows, blocks and executable key) from host state and keeps the block pool; the
+engine thread here runs the plans: it calls the executables, reads tokens back and delivers
+them.
 """
 
 from __future__ import annotations
@@ -39,12 +41,11 @@ import numpy as np
 from cg_jax import validation
 from cg_jax.core import host_io
 from cg_jax.core.config import EngineConfig
-from cg_jax.core.executables import PROMPT_BATCH, ExecutableTable
+from cg_jax.core.executables import ExecutableTable
+from cg_jax.core.block_pool import BlockPool
 from cg_jax.core.kv_cache import CacheHolder
-from cg_jax.core.prefix_cache import PrefixIndex
 from cg_jax.core.sampling import SamplingArrays
-from cg_jax.core.step_plan import (ChunkPlan, CopyPlan, DecodePlan, MovePlan, PlanConfig, Planner,
-                                   PrefillPlan)
+from cg_jax.core.step_plan import ChunkPlan, DecodePlan, MovePlan, PlanConfig, Planner
 from cg_jax.generation import RowText
 from cg_jax.handles import EngineClosed, Group, QueueFull, RequestTimeout
 
@@ -62,8 +63,8 @@ class _Live:
   deadline: float | None
   logprobs: int | None = None  # alternatives per token with their log-probabilities, or None
   slot: int | None = None
+  blocks: list[int] = dataclasses.field(default_factory=list)  # its block table
   prefilled: int = 0  # prompt tokens in the cache
-  looked_up: bool = False  # the prefix cache was asked
   token: int = 0  # the last token, fed to the next step
   position: int = 0  # where `token` goes in the cache
   emitted: int = 0
@@ -82,27 +83,24 @@ class Scheduler:
   """The engine thread and its queues (see the module docstring).
 
   Args:
-    config: the engine's config; table: its executables; cache: its KV cache.
-    pool: the prefix cache's block pool, or None when `config.prefix_blocks` is 0.
+    config: the engine's config; table: its executables; cache: its paged KV cache.
     weights: the flat weight list; inputs_at: where request arrays go; tokenizer: or None.
     lock: the engine's lock, held for each loop iteration (swap-out and the static path wait).
   """
 
   def __init__(self, config: EngineConfig, table: ExecutableTable, cache: CacheHolder,
-               pool: CacheHolder | None, weights: list, inputs_at, tokenizer,
-               lock: threading.RLock):
+               weights: list, inputs_at, tokenizer, lock: threading.RLock):
     self.config, self.table, self.cache, self.weights = config, table, cache, weights
     self.inputs_at, self.tokenizer, self.lock = inputs_at, tokenizer, lock
-    self.pool = pool
-    self.prefix = None if pool is None else PrefixIndex(config.prefix_blocks, config.prefix_block)
+    # The cache's blocks (host bookkeeping; the scratch block past them is not the pool's).
+    self.blocks = BlockPool(config.num_blocks, config.prefix_block)
     # The policy (`cg_jax.core.step_plan`): what each phase of an iteration runs.
-    self.planner = Planner(PlanConfig.of(config, table, PROMPT_BATCH), self.prefix)
+    self.planner = Planner(PlanConfig.of(config, table), self.blocks)
     self._wakeup = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
     self._slots: list[_Live] = []  # occupied slots [0, n)
     self._reader = host_io.AsyncReader()  # (tokens, [live per row]) of steps in flight
     self._inputs = None  # the decode inputs on the device, or None once the batch changed
-    self._unsaved: list[_Live] = []  # prefilled this iteration; their blocks go to the pool
     self._thread: threading.Thread | None = None
     self._closed = False
     self._resume = True  # False while a swapped-out cache should stay out
@@ -125,7 +123,13 @@ class Scheduler:
     for row, prompt in enumerate(request.rows):
       follow = RowText(self.tokenizer, request.stop) if request.stop else None
       lives.append(_Live(group, row, prompt, request.max_new_tokens, request.settings,
-                               follow, deadline, request.logprobs))
+                         follow, deadline, request.logprobs))
+    for live in lives:
+      if not self.planner.fits(live):
+        raise ValueError(
+            f"a prompt of {len(live.prompt)} tokens with max_new_tokens={live.max_new_tokens} "
+            f"needs {self.planner.config.blocks_needed(live)} KV-cache blocks of "
+            f"{self.config.prefix_block} tokens; the cache has {self.blocks.num_blocks}")
     with self._wakeup:
       if self._closed:
         raise EngineClosed("the engine is closed")
@@ -181,6 +185,9 @@ class Scheduler:
   def stats(self) -> dict[str, Any]:
     elapsed = time.perf_counter() - self._started
     running = sum(not live.finished for live in self._slots)
+    blocks = self.blocks.stats()
+    if not self.planner.config.prefix_cache:
+      blocks = {k: v for k, v in blocks.items() if not k.startswith("prefix_cache")}
     return {"running": running, "waiting": len(self._waiting),
             "slots": self.config.buckets.max_batch,
             "slot_occupancy": running / self.config.buckets.max_batch,
@@ -190,8 +197,8 @@ class Scheduler:
             "tokens_per_s": self.counters["tokens"] / elapsed if elapsed > 0 else 0.0,
             "requests_submitted": self.counters["submitted"],
             "requests_finished": self.counters["finished"],
-            "prefix_cache": self.prefix is not None,
-            **({} if self.prefix is None else self.prefix.stats())}
+            "prefix_cache": self.planner.config.prefix_cache,
+            "kv_block_size": self.config.prefix_block, **blocks}
 
   # ------------------------------------------------------------------------------------------------
   # The engine thread
@@ -217,8 +224,10 @@ class Scheduler:
   def _fail_all(self, error: BaseException) -> None:
     with self._wakeup:
       lives = list(self._slots) + list(self._waiting)
-      self._slots, self._inputs, self._unsaved = [], None, []
+      self._slots, self._inputs = [], None
       self._waiting.clear()
+    for live in lives:
+      self._release(live)
     self._reader = host_io.AsyncReader()
     for live in lives:
       live.finished = True
@@ -234,19 +243,20 @@ class Scheduler:
     stale = [live for live in self._slots if live.cancelled or live.finished
              or live.expired(now)]
     with self._wakeup:
-      startable = bool(self.planner.admit(len(self._waiting), len(self._slots)))
+      # (a row is free and the head of the queue has its blocks: `admit` takes them then)
+      startable = bool(self._waiting) and len(self._slots) < self.config.buckets.max_batch and (
+          self.planner.config.blocks_needed(self._waiting[0]) <= self.blocks.available)
       stale = stale or any(w.cancelled or w.expired(now) for w in self._waiting)
     if stale or startable:
       self._drain()
       self._retire(now)
       self._admit()
-    self._run_prefill(self.planner.prefill(self._slots))
+    chunk = self.planner.prefill(self._slots)
+    if chunk is not None:
+      self._run_chunk(chunk)
     if self._inputs is None:
       self._drain()  # the new batch is built from every row's latest token
     self._run_decode(self.planner.decode(self._slots, len(self._reader)))
-    if self._unsaved:  # after the decode step is on its way: the hashing overlaps it
-      self._run_copies(self.planner.saves(self._unsaved))
-      self._unsaved = []
     self._delivered()  # (the ends of cancelled and timed-out requests)
 
   def _drain(self) -> None:
@@ -263,7 +273,7 @@ class Scheduler:
         elif live.expired(now):
           live.finished = True
           live.group._fail(RequestTimeout("the request ran past its timeout"))
-    self._run_moves(self.planner.moves([live.finished for live in self._slots]))
+    self._compact(self.planner.moves([live.finished for live in self._slots]))
     with self._wakeup:
       for live in [w for w in self._waiting if w.cancelled or w.expired(now)]:
         self._waiting.remove(live)
@@ -273,11 +283,11 @@ class Scheduler:
           live.finished = True
           live.group._fail(RequestTimeout("the request ran past its timeout while waiting"))
 
-  def _run_moves(self, plan: MovePlan) -> None:
-    """Copy the moved cache rows; the requests take their new slots."""
-    for source, target in plan.moves:
-      self.cache.set(self.table.get(("move",))(self.cache.get(), np.int32(source),
-                                              np.int32(target)))
+  def _compact(self, plan: MovePlan) -> None:
+    """The finished requests' blocks go back; the others take their new rows (with their
+    block tables: nothing is copied on the device)."""
+    for old in plan.freed:
+      self._release(self._slots[old])
     if plan.freed:
       self._slots = [self._slots[old] for old in plan.order]
       for slot, live in enumerate(self._slots):
@@ -286,40 +296,46 @@ class Scheduler:
 
   def _admit(self) -> None:
     with self._wakeup:
-      for slot in self.planner.admit(len(self._waiting), len(self._slots)):
+      for admission in self.planner.admit(self._waiting, len(self._slots)):
         live = self._waiting.popleft()
-        live.slot = slot
+        live.slot, live.blocks = admission.slot, list(admission.blocks)
+        live.prefilled = admission.cached
         live.group.admitted_at[live.row] = time.perf_counter()
         self._slots.append(live)
         self._inputs = None
 
-  def _run_prefill(self, plan: PrefillPlan) -> None:
-    """The prefix-cache hits count as prefilled and their blocks load; then the prompt call."""
-    for slot, cached in plan.lookups:
-      self._slots[slot].looked_up, self._slots[slot].prefilled = True, cached
-    self._run_copies(plan.loads)
-    if plan.chunk is not None:
-      self._run_chunk(plan.chunk)
+  def _release(self, live: _Live) -> None:
+    """A request that left: its blocks go back to the pool (once)."""
+    self.planner.release(live)
+    live.blocks = []
+
+  def _tables(self, rows: list[_Live | None], batch: int) -> np.ndarray:
+    """int32 [batch, W]: each row's block table; idle and padding rows name the scratch block
+    (they write nothing there, or only padding)."""
+    tables = np.full((batch, self.config.table_width), self.config.scratch_block, np.int32)
+    for b, live in enumerate(rows):
+      if live is not None:
+        tables[b, :len(live.blocks)] = live.blocks
+    return tables
 
   def _run_chunk(self, chunk: ChunkPlan) -> None:
     """One prompt call (see `ChunkPlan`); its completed prompts join the decode batch."""
     group = [self._slots[slot] for slot in chunk.slots]
     tokens = np.zeros((chunk.rows, chunk.size), np.int32)
     starts = np.zeros((chunk.rows,), np.int32)
-    # Padding rows: one token into a free slot ("prompts"), or nothing ("chunk").
-    counts = (np.ones if chunk.kind == "prompts" else np.zeros)((chunk.rows,), np.int32)
-    slots = np.zeros((chunk.rows,), np.int32)
+    counts = np.zeros((chunk.rows,), np.int32)  # padding rows take no token
     for b, live in enumerate(group):
-      starts[b], counts[b], slots[b] = chunk.starts[b], chunk.counts[b], live.slot
+      starts[b], counts[b] = chunk.starts[b], chunk.counts[b]
       tokens[b, :counts[b]] = live.prompt[starts[b]:starts[b] + counts[b]]
+    tables = self._tables(group, chunk.rows)
     # Host arrays go to the executable as they are: its call copies them to the device (one
     # jax.device_put per tree costs more host time than the whole transfer).
     if chunk.kind == "prompts":
       new, logits, cache = self.table.get(chunk.key)(
-          self.weights, self.cache.get(), tokens, counts, np.int32(chunk.first_slot))
+          self.weights, self.cache.get(), tokens, counts, tables)
     else:
       new, logits, cache = self.table.get(chunk.key)(
-          self.weights, self.cache.get(), tokens, slots, starts, counts)
+          self.weights, self.cache.get(), tokens, tables, starts, counts)
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
@@ -330,23 +346,9 @@ class Scheduler:
                                                          self._sampling(group, chunk.rows))
     self._join(chunk, group, new, logits)
 
-  def _run_copies(self, plan: CopyPlan) -> None:
-    """(slot, block, pool block) pairs: "load" copies pool -> cache, "save" cache -> pool."""
-    size = self.planner.config.block_pairs
-    for pairs in plan.calls:
-      part = np.full((3, size), -1, np.int32)  # padding pairs copy nothing
-      part[:, :len(pairs)] = np.array(pairs).T
-      slots, blocks, pool_ids = part
-      if plan.phase == "load":
-        self.cache.set(self.table.get(plan.key)(self.cache.get(), self.pool.get(), slots,
-                                                blocks, pool_ids))
-      else:
-        self.pool.set(self.table.get(plan.key)(self.pool.get(), self.cache.get(), slots,
-                                               blocks, pool_ids))
-
   def _join(self, chunk: ChunkPlan, group: list[_Live], new, logits) -> None:
     """Requests whose chunk completed their prompt join the decode batch with its token `new`
-    (their blocks go into the prefix cache at the end of the iteration); the token's scores
+    (their full blocks become shareable); the token's scores
     come from `logits` (both on the device) only for requests that asked for
     log-probabilities."""
     tokens = np.asarray(new)
@@ -357,10 +359,10 @@ class Scheduler:
     done = [(live, int(tokens[b]), None if scores is None else scores[b]) for b, live in done]
     for live, _, _ in done:
       live.position, live.decoding = len(live.prompt), True
+      # The call that wrote its keys runs before any later call that reads them.
+      self.planner.commit(live)
       self._inputs = None
     self._deliver(done)
-    if self.prefix is not None:
-      self._unsaved += [live for live, _, _ in done]
 
   def _deliver(self, new: list[tuple[_Live, int, np.ndarray | None]]) -> None:
     """One step's new tokens (with their scores, or None): emitted to their groups (one event
@@ -422,15 +424,17 @@ class Scheduler:
       # go as host arrays (the steps' outputs replace them).
       sampling = (None if plan.greedy
                   else host_io.stage(self._sampling(rows, plan.batch), self.inputs_at))
-      self._inputs = (tokens, positions, sampling)
-    tokens, positions, sampling = self._inputs
-    outputs = self.table.get(plan.key)(self.weights, self.cache.get(), tokens, positions, sampling)
+      tables = host_io.stage(self._tables(rows, plan.batch), self.inputs_at)
+      self._inputs = (tokens, positions, tables, sampling)
+    tokens, positions, tables, sampling = self._inputs
+    outputs = self.table.get(plan.key)(self.weights, self.cache.get(), tokens, positions, tables,
+                                       sampling)
     if plan.scored:
       tokens, positions, cache, emitted, scores = outputs
     else:
       (tokens, positions, cache, emitted), scores = outputs, None
     self.cache.set(cache)
-    self._inputs = (tokens, positions, sampling)
+    self._inputs = (tokens, positions, tables, sampling)
     self._reader.push((emitted, scores), rows)
     self.counters["decode_steps"] += 1
     if len(self._reader) > self.config.readback_lag:

@@ -5,33 +5,40 @@ before it runs it, and executes the plan: a phase's plan depends on the tokens t
 it read back (a first token may be EOS, a readback may finish a request), so an iteration is a
 sequence of plans, not one:
 
-  moves    (`MovePlan`)    the occupied slots stay [0, n): the last running request moves into
-                           each slot freed by a finished one, from the last slot down;
-  admit    (slots)         waiting requests take the free slots, first come first served;
-  prefill  (`PrefillPlan`) new prompts that start with prefix-cache blocks load them
-                           (`CopyPlan` "load") and skip their tokens; then one prompt call
-                           (`ChunkPlan`): the next chunks of prompts already started ("chunk",
-                           each at its cache offset), or else the first chunks of new prompts
-                           ("prompts", consecutive slots), grouped up to a prompt-batch bucket
-                           and `prefill_tokens` largest buckets of padded tokens;
-  decode   (`DecodePlan`)  one step over slots [0, bucket), the smallest batch bucket holding
-                           the occupied slots; slots not decoding are idle rows;
-  save     (`CopyPlan`)    prompts completed this iteration copy their new full blocks into
-                           the prefix cache's pool.
+  retire   (`MovePlan`)    finished requests give their blocks back (`release`); the occupied
+                           rows stay [0, n): the last running request takes each row freed by a
+                           finished one, from the last row down (its block table moves with it:
+                           no cache bytes move);
+  admit    (`Admission`)   waiting requests, first come first served, take the free rows while
+                           the block pool has blocks for the whole request (prompt and
+                           max_new_tokens); with the prefix cache on, the cached blocks that
+                           start a prompt are shared (`BlockPool.match`) and its cached tokens
+                           count as prefilled;
+  prefill  (`ChunkPlan`)   one prompt call: the next chunks of prompts already started ("chunk",
+                           each at its cache offset: a cached prefix, or longer than the largest
+                           chunk), or else the first chunks of new prompts ("prompts"), grouped
+                           up to a prompt-batch bucket and `prefill_tokens` largest buckets of
+                           padded tokens; a completed prompt's full blocks are indexed for later
+                           prompts (`commit`);
+  decode   (`DecodePlan`)  one step over rows [0, bucket), the smallest batch bucket holding
+                           the occupied rows; rows not decoding are idle.
 
-Plans are frozen dataclasses of ints and tuples naming slots and executable keys; the planner
-reads request state (`Scheduled`) and the prefix index (host bookkeeping: a lookup refreshes
-its LRU order and counts a hit or miss) and never touches the device. This module imports
-nothing from jax (nor from `cg_jax`, whose package imports jax), so policy is tested without
-compiling anything.
+Plans are frozen dataclasses of ints and tuples naming rows, blocks and executable keys; the
+planner reads request state (`Scheduled`) and keeps the block pool (`cg_jax.core.block_pool`,
+host bookkeeping) and never touches the device. This module imports nothing from jax (nor from
+`cg_jax`, whose package imports jax), so policy is tested without compiling anything.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # (an annotation only: this module imports nothing of cg_jax when it runs)
+  from cg_jax.core.block_pool import BlockPool
 
 # Padded prompt tokens one prompt call may take (its batch x chunk size), in units of the
 # largest prompt bucket.
@@ -46,8 +53,8 @@ class Scheduled(Protocol):
   settings: Any  # its `greedy` says whether the request samples
   logprobs: int | None
   slot: int | None
+  blocks: list[int]  # its block table (empty until admitted)
   prefilled: int
-  looked_up: bool
   position: int
   emitted: int
   decoding: bool
@@ -62,9 +69,9 @@ class PlanConfig:
     batch_sizes: the batch buckets (ascending); the cache holds batch_sizes[-1] slots.
     prompt_lengths: the prompt buckets (ascending): chunk sizes.
     prompt_batches: the batch buckets of the prompt executables (`ExecutableTable.prompt_batches`).
-    lookahead: new prompts, next in line, that ask the prefix cache per iteration.
-    prefix_block: tokens per prefix-cache block.
-    block_pairs: (slot, block, pool block) pairs one "load" or "save" call copies.
+    max_seq_len: tokens a request's block table covers at most (prompt and new tokens).
+    block_size: tokens per KV-cache block.
+    prefix_cache: prompts share the cached blocks that start them.
     batch_invariant: prefix hits are used in whole chunks (multiples of prompt_lengths[0]).
     prefill_tokens: see PREFILL_TOKENS.
   """
@@ -72,19 +79,19 @@ class PlanConfig:
   batch_sizes: tuple[int, ...]
   prompt_lengths: tuple[int, ...]
   prompt_batches: tuple[int, ...]
-  lookahead: int
-  prefix_block: int = 16
-  block_pairs: int = 1
+  max_seq_len: int
+  block_size: int = 16
+  prefix_cache: bool = False
   batch_invariant: bool = False
   prefill_tokens: int = PREFILL_TOKENS
 
   @classmethod
-  def of(cls, config, table, lookahead: int) -> "PlanConfig":
+  def of(cls, config, table) -> "PlanConfig":
     """From an `EngineConfig` and its `ExecutableTable` (or fakes with the same fields)."""
     b = config.buckets
     return cls(batch_sizes=b.batch_sizes, prompt_lengths=b.prompt_lengths,
-               prompt_batches=table.prompt_batches(), lookahead=lookahead,
-               prefix_block=config.prefix_block, block_pairs=table.block_pairs(),
+               prompt_batches=table.prompt_batches(), max_seq_len=config.max_seq_len,
+               block_size=config.prefix_block, prefix_cache=config.prefix_blocks > 0,
                batch_invariant=config.batch_invariant)
 
   @property
@@ -95,49 +102,47 @@ class PlanConfig:
     """The smallest batch bucket >= batch (1 <= batch <= max_batch)."""
     return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch)]
 
+  def blocks_needed(self, request: "Scheduled") -> int:
+    """Blocks of a request's whole life: its prompt and max_new_tokens, within max_seq_len."""
+    tokens = min(len(request.prompt) + request.max_new_tokens, self.max_seq_len)
+    return -(-tokens // self.block_size)
+
 
 @dataclasses.dataclass(frozen=True)
 class MovePlan:
-  """Slot compaction: `freed` are the (old) slots of finished requests; "move" calls copy
-  cache row `source` into row `target`, (source, target) in order; `order[i]` is the old slot
-  of the request that holds slot i afterwards."""
+  """Row compaction: `freed` are the (old) rows of finished requests; `order[i]` is the old row
+  of the request that holds row i afterwards (its block table moves with it)."""
 
   freed: tuple[int, ...]
-  moves: tuple[tuple[int, int], ...]
   order: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class CopyPlan:
-  """Prefix-cache block copies: "load" (pool -> cache) or "save" (cache -> pool); each call
-  copies up to `block_pairs` (slot, block, pool block) pairs (padded with -1: no copy)."""
+class Admission:
+  """A waiting request let in: its row, its block table and the prompt tokens its shared
+  (cached) blocks already hold."""
 
-  phase: str
-  calls: tuple[tuple[tuple[int, int, int], ...], ...] = ()
-
-  @property
-  def key(self) -> tuple:
-    return (self.phase,)
+  slot: int
+  blocks: tuple[int, ...]
+  cached: int
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkPlan:
   """One prompt call.
 
-  kind "prompts": the first chunk of new prompts in consecutive slots, written as cache rows
-  [first_slot, first_slot + rows); padding rows take one token. kind "chunk": the next chunk
-  of started prompts, row b into slot slots[b] at offset starts[b]; padding rows take nothing
-  (slot 0, offset 0, no token). Row b of the group takes counts[b] prompt tokens from starts[b];
-  `done` are the slots whose prompt this call completes (they join the decode batch with the
-  token it picks); `sample`: a row samples (its first token is drawn by ("first", rows, False)
-  from the call's logits); `scored`: a completing row asks for log-probabilities
+  kind "prompts": the first chunk of new prompts, from position 0; kind "chunk": the next chunk
+  of started prompts, row b at offset starts[b]. Row b of the group (the rows `slots`) takes
+  counts[b] prompt tokens from starts[b]; padding rows past the group take nothing. `done` are
+  the rows whose prompt this call completes (they join the decode batch with the token it
+  picks); `sample`: a row samples (its first token is drawn by ("first", rows, False) from the
+  call's logits); `scored`: a completing row asks for log-probabilities
   (("token_logprobs", rows)).
   """
 
   kind: str
   rows: int
   size: int
-  first_slot: int
   slots: tuple[int, ...]
   starts: tuple[int, ...]
   counts: tuple[int, ...]
@@ -157,18 +162,8 @@ class ChunkPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillPlan:
-  """One iteration's prefill: prefix-cache lookups ((slot, cached tokens) per new prompt that
-  asked), their block loads, then one prompt call (or None: nothing to prefill)."""
-
-  lookups: tuple[tuple[int, int], ...] = ()
-  loads: CopyPlan = CopyPlan("load")
-  chunk: ChunkPlan | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class DecodePlan:
-  """One decode step over slots [0, batch): `slots` decode, the other rows are idle. `launch`
+  """One decode step over rows [0, batch): `slots` decode, the other rows are idle. `launch`
   False: the steps in flight already cover every row's budget (read them back, launch
   nothing). `scored`: a row asks for log-probabilities (the "logprobs" step); `greedy`: no row
   samples."""
@@ -189,112 +184,111 @@ class Planner:
 
   Args:
     config: the buckets and limits.
-    prefix: the prefix cache's index (`cg_jax.core.prefix_cache.PrefixIndex`), or None when off.
+    pool: the KV cache's block pool (`BlockPool`, its blocks of config.block_size tokens).
   """
 
-  def __init__(self, config: PlanConfig, prefix=None):
-    self.config, self.prefix = config, prefix
+  def __init__(self, config: PlanConfig, pool: BlockPool):
+    self.config, self.pool = config, pool
 
   def moves(self, finished: Sequence[bool]) -> MovePlan:
-    """Free the slots whose request finished: from the last slot down, the last occupied slot
-    moves into each freed one (a batch that finished together moves nothing)."""
-    # A request not visited yet has not moved: the one at `old` still holds slot `old`.
-    order = list(range(len(finished)))  # order[slot]: the old slot of its request
-    freed, moves = [], []
+    """Free the rows whose request finished: from the last row down, the last occupied row
+    moves into each freed one."""
+    # A request not visited yet has not moved: the one at `old` still holds row `old`.
+    order = list(range(len(finished)))  # order[row]: the old row of its request
+    freed = []
     for old in reversed(range(len(finished))):
       if not finished[old]:
         continue
       freed.append(old)
       if order[-1] != old:
-        moves.append((len(order) - 1, old))
         order[old] = order[-1]
       order.pop()
-    return MovePlan(tuple(freed), tuple(moves), tuple(order))
+    return MovePlan(tuple(freed), tuple(order))
 
-  def admit(self, waiting: int, occupied: int) -> tuple[int, ...]:
-    """The slots the next `waiting` requests take: the free ones after [0, occupied)."""
-    return tuple(range(occupied, occupied + max(min(waiting, self.config.max_batch - occupied), 0)))
+  def fits(self, request: Scheduled) -> bool:
+    """Whether the request's blocks could ever be had (the whole pool free)."""
+    return self.config.blocks_needed(request) <= self.pool.num_blocks
 
-  def prefill(self, slots: Sequence[Scheduled]) -> PrefillPlan:
-    """`slots[i]` holds slot i. Up to `lookahead` new prompts next in line ask the prefix
-    cache once (those behind them may find the blocks these are about to write); a hit loads
-    its blocks and counts its tokens as prefilled. Then started prompts (a cached prefix, or
-    longer than the largest chunk) take their next chunks first come first served; only when
-    none is started do new prompts take their first chunks."""
+  def admit(self, waiting: Sequence[Scheduled], occupied: int) -> tuple[Admission, ...]:
+    """The next waiting requests that the free rows after [0, occupied) and the pool's blocks
+    take, in order; the first that does not get its blocks waits, and so do those behind it.
+    Each takes its blocks here (`release` gives them back)."""
     c = self.config
-    prefilled = [x.prefilled for x in slots]
-    fresh = [s for s, x in enumerate(slots) if x.prefilled == 0 and not x.finished]
-    lookups, pairs = [], []
-    if self.prefix is not None:
-      # Batch-invariant engines take whole chunks only: the chunk boundaries of a miss.
-      multiple = c.prompt_lengths[0] // c.prefix_block if c.batch_invariant else 1
-      for s in fresh[:c.lookahead]:
-        if slots[s].looked_up:
-          continue
-        ids = self.prefix.lookup(slots[s].prompt, multiple)
-        prefilled[s] = len(ids) * c.prefix_block
-        lookups.append((s, prefilled[s]))
-        pairs += [(s, block, source) for block, source in enumerate(ids)]
-      fresh = [s for s in fresh if prefilled[s] == 0]
-    started = [s for s, x in enumerate(slots)
-               if 0 < prefilled[s] < len(x.prompt) and not x.finished]
-    if started:
-      chunk = self._later_chunks(slots, prefilled, started)
-    elif fresh:
-      chunk = self._first_chunks(slots, prefilled, fresh)
-    else:
-      chunk = None
-    return PrefillPlan(tuple(lookups), self._copies("load", pairs), chunk)
+    admitted = []
+    for request in itertools.islice(waiting, max(c.max_batch - occupied, 0)):
+      needed = c.blocks_needed(request)
+      # Enough: the shared blocks a match takes from the cached ones are among those needed.
+      if needed > self.pool.available:
+        break
+      shared: list[int] = []
+      if c.prefix_cache:
+        # Batch-invariant engines take whole chunks only: the chunk boundaries of a miss.
+        multiple = c.prompt_lengths[0] // c.block_size if c.batch_invariant else 1
+        shared = self.pool.match(request.prompt, multiple)
+      fresh = self.pool.allocate(needed - len(shared))
+      assert fresh is not None  # (guaranteed by the check above)
+      admitted.append(Admission(occupied + len(admitted), tuple(shared + fresh),
+                                len(shared) * c.block_size))
+    return tuple(admitted)
 
-  def _later_chunks(self, slots, prefilled: list[int], started: list[int]) -> ChunkPlan:
+  def commit(self, request: Scheduled) -> None:
+    """A completed prompt's full blocks become shareable (prefix cache on)."""
+    if self.config.prefix_cache:
+      self.pool.commit(request.prompt, request.blocks)
+
+  def release(self, request: Scheduled) -> None:
+    """A finished request's blocks go back to the pool (cached if indexed, else free)."""
+    if request.blocks:
+      self.pool.release(request.blocks)
+
+  def prefill(self, slots: Sequence[Scheduled]) -> ChunkPlan | None:
+    """`slots[i]` holds row i. Started prompts (a cached prefix, or longer than the largest
+    chunk) take their next chunks first come first served; only when none is started do new
+    prompts take their first chunks. None: nothing to prefill."""
+    started = [s for s, x in enumerate(slots)
+               if 0 < x.prefilled < len(x.prompt) and not x.finished]
+    if started:
+      return self._later_chunks(slots, started)
+    fresh = [s for s, x in enumerate(slots) if x.prefilled == 0 and not x.finished]
+    if fresh:
+      return self._first_chunks(slots, fresh)
+    return None
+
+  def _later_chunks(self, slots, started: list[int]) -> ChunkPlan:
     """The next chunk of a run of started prompts in one "chunk" call, each at its offset."""
     batches = self.config.prompt_batches
-    size_of = self._size_of(slots, prefilled)
+    size_of = self._size_of(slots)
     group = self._group(started, batches, size_of)
     size, rows = size_of(group), next(b for b in batches if b >= len(group))
-    counts = tuple(min(size, len(slots[s].prompt) - prefilled[s]) for s in group)
-    return self._chunk("chunk", rows, size, group[0], slots, group,
-                       tuple(prefilled[s] for s in group), counts)
+    counts = tuple(min(size, len(slots[s].prompt) - slots[s].prefilled) for s in group)
+    return self._chunk("chunk", rows, size, slots, group,
+                       tuple(slots[s].prefilled for s in group), counts)
 
-  def _first_chunks(self, slots, prefilled: list[int], fresh: list[int]) -> ChunkPlan:
-    """The first chunk of a run of new prompts in one "prompts" call: they hold consecutive
-    slots (admitted in order), written as rows [first, first + rows), so `rows` (a batch
-    bucket) must end within the cache and hold only free slots and prompts not started (the
-    padding rows write there)."""
-    first = fresh[0]
-    fits = 0
-    for slot in range(first, self.config.max_batch):
-      if slot < len(slots) and prefilled[slot] > 0:
-        break
-      fits += 1
-    batches = tuple(b for b in self.config.prompt_batches if b <= fits) or (1,)
-    consecutive = [first]
-    for s in fresh[1:]:
-      if s != consecutive[-1] + 1:
-        break
-      consecutive.append(s)
-    size_of = self._size_of(slots, prefilled)
-    group = self._group(consecutive, batches, size_of)
+  def _first_chunks(self, slots, fresh: list[int]) -> ChunkPlan:
+    """The first chunk of a run of new prompts in one "prompts" call."""
+    batches = self.config.prompt_batches
+    size_of = self._size_of(slots)
+    group = self._group(fresh, batches, size_of)
     size, rows = size_of(group), next(b for b in batches if b >= len(group))
     counts = tuple(min(size, len(slots[s].prompt)) for s in group)
-    return self._chunk("prompts", rows, size, first, slots, group, (0,) * len(group), counts)
+    return self._chunk("prompts", rows, size, slots, group, (0,) * len(group), counts)
 
   @staticmethod
-  def _chunk(kind: str, rows: int, size: int, first: int, slots, group: list[int],
+  def _chunk(kind: str, rows: int, size: int, slots, group: list[int],
              starts: tuple[int, ...], counts: tuple[int, ...]) -> ChunkPlan:
     done = tuple(s for s, start, count in zip(group, starts, counts)
                  if start + count == len(slots[s].prompt))
-    return ChunkPlan(kind, rows, size, first, tuple(group), starts, counts, done,
+    return ChunkPlan(kind, rows, size, tuple(group), starts, counts, done,
                      sample=not all(slots[s].settings.greedy for s in group),
                      scored=any(slots[s].logprobs is not None for s in done))
 
-  def _size_of(self, slots, prefilled: list[int]) -> Callable[[list[int]], int]:
+  def _size_of(self, slots) -> Callable[[list[int]], int]:
     """The chunk size of a group: the prompt bucket that takes its longest rest of a prompt
     (up to the largest)."""
     lengths = self.config.prompt_lengths
 
     def size_of(group: list[int]) -> int:
-      longest = min(max(len(slots[s].prompt) - prefilled[s] for s in group), lengths[-1])
+      longest = min(max(len(slots[s].prompt) - slots[s].prefilled for s in group), lengths[-1])
       return next(n for n in lengths if n >= longest)
     return size_of
 
@@ -325,15 +319,3 @@ class Planner:
     greedy = not scored and all(slots[s].settings.greedy for s in rows)
     launch = any(slots[s].emitted + in_flight < slots[s].max_new_tokens for s in rows)
     return DecodePlan(self.config.batch_bucket(len(slots)), rows, greedy, scored, launch)
-
-  def saves(self, lives: Sequence[Scheduled]) -> CopyPlan:
-    """Completed prompts' full blocks not in the prefix cache yet: copied into its pool."""
-    pairs = [(live.slot, block, target) for live in lives
-             for block, target in enumerate(self.prefix.insert(live.prompt))
-             if target is not None]
-    return self._copies("save", pairs)
-
-  def _copies(self, phase: str, pairs: list[tuple[int, int, int]]) -> CopyPlan:
-    size = self.config.block_pairs
-    return CopyPlan(phase, tuple(tuple(pairs[start:start + size])
-                                 for start in range(0, len(pairs), size)))

@@ -1,23 +1,23 @@
 """The hot path: pure functions over a flat list of weight arrays and a donated KV cache, compiled
 ahead of time per bucket (`cg_jax.core.executables`):
 
-  prefill(weights, cache, tokens[B,S], lengths[B])                 -> (logits[B,V], cache)
+  prefill(weights, cache, tokens[B,S], lengths[B], tables[B,W])    -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
-  decode(weights, cache, tokens[B], positions[B], sampling)
+  decode(weights, cache, tokens[B], positions[B], tables[B,W], sampling)
                                               -> (tokens[B], positions[B], cache, emitted[B])
-  decode_scored(weights, cache, tokens[B], positions[B], sampling)
+  decode_scored(weights, cache, tokens[B], positions[B], tables[B,W], sampling)
                                    -> (tokens[B], positions[B], cache, emitted[B], scores[B,E])
-  prompts(weights, cache, tokens[B,S], lengths[B], first)      -> (tokens[B], logits[B,V], cache)
-  chunk(weights, cache, tokens[B,C], slots[B], starts[B], lengths[B])
+  prompts(weights, cache, tokens[B,S], lengths[B], tables[B,W])
+                                                                -> (tokens[B], logits[B,V], cache)
+  chunk(weights, cache, tokens[B,S], tables[B,W], starts[B], lengths[B])
                                                                 -> (tokens[B], logits[B,V], cache)
   token_logprobs(logits[B,V], tokens[B])                           -> scores[B,E]
   score(weights, tokens[1,S])                                      -> scores[S,E]
-  move(cache, source, target)                                      -> cache
-  load(cache, pool, slots[P], blocks[P], sources[P])               -> cache
-  save(pool, cache, slots[P], blocks[P], targets[P])               -> pool
 
-`pool` is the prefix cache's block pool, a KVCache of [L, N, G, K, H] arrays (N blocks of G
-tokens; `cg_jax.core.prefix_cache` keeps its index); load and save copy P (slot, block) pairs.
+The cache is paged: a KVCache of [L, M, C, K, H] arrays (M blocks of C tokens), and row b of a
+call reads and writes the blocks of its block table tables[b] (`cg_jax.core.block_pool` decides
+them on the host; position p lives in slot p % C of block tables[b, p // C]). Rows share blocks
+by naming them (a prefix-cache hit), so no step copies keys or values between rows or blocks.
 
 `scores` are `cg_jax.core.sampling.token_scores` of the new tokens (E = 1 + 2 x top log-probabilities),
 computed only for requests that ask for log-probabilities: by `decode_scored` instead of `decode`,
@@ -36,10 +36,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from cg_jax.core.attention import AtRows, RealRows
+from cg_jax.core.attention import PagedAttention, RealRows
 from cg_jax.core.config import ForwardConfig
 from cg_jax.core.sampling import SamplingArrays, select_tokens, token_scores
 from cg_jax.core.weights import SplitModel
@@ -53,18 +52,24 @@ class StepFunctions:
   Args:
     split: the split model; its graphdef/treedef are baked into the traces.
     forward: how the forward paths run.
-    attention: the attention implementation handed to the model (`cg_jax.core.attention`).
+    attention: the cache-free attention handed to the model (`score`, the logits).
+    paged: the paged attention of the cache-using steps (`cg_jax.core.attention`; its tables
+      are each call's own).
     shards: the weights' column groups (the tensor-parallel size).
   """
 
   split: SplitModel
   forward: ForwardConfig
   attention: Any
+  paged: PagedAttention
   shards: int = 1
 
-  def prefill(self, weights, cache: KVCache, tokens, lengths):
+  def _paged(self, tables) -> PagedAttention:
+    return dataclasses.replace(self.paged, tables=tables)
+
+  def prefill(self, weights, cache: KVCache, tokens, lengths, tables):
     model = self.split.merge(weights)
-    hidden, cache = model.prefill_hidden(tokens, lengths, cache, attention=self.attention,
+    hidden, cache = model.prefill_hidden(tokens, lengths, cache, attention=self._paged(tables),
                                          layer_loop=self.forward.layer_loop, shards=self.shards)
     return self._head(model, hidden), cache
 
@@ -81,7 +86,7 @@ class StepFunctions:
   def first_token(logits, positions, sampling: SamplingArrays | None):
     return select_tokens(logits, positions, sampling)
 
-  def _logits(self, model, tokens, positions, cache: KVCache):
+  def _logits(self, model, tokens, positions, tables, cache: KVCache):
     """One decode step's logits [B, V] ([P, V] when batch-invariant). With fewer than
     `min_matmul_rows` rows, the layers run on the rows padded to that many (token 0 at position
     0): the padding rows never reach the cache or the attention (`RealRows`), and the real rows
@@ -89,11 +94,12 @@ class StepFunctions:
     the attention takes too, so that the cache's first P rows are the step's rows."""
     batch = tokens.shape[0]
     padded = max(batch, self.forward.min_matmul_rows)
-    attention = self.attention
+    attention = self._paged(tables)
     if padded > batch and self.forward.batch_invariant:
       # [B] -> [P]: the padding rows are idle (position -1: they write and read nothing), so
-      # the attention too runs on P rows in every bucket.
+      # the attention too runs on P rows in every bucket. [B, W] -> [P, W]
       tokens, positions = _pad_rows(tokens, padded), _pad_rows(positions, padded, -1)
+      attention = self._paged(jnp.pad(tables, ((0, padded - batch), (0, 0))))
     elif padded > batch:
       # [B] -> [P]
       tokens, positions = (jnp.pad(x, (0, padded - batch)) for x in (tokens, positions))
@@ -105,11 +111,11 @@ class StepFunctions:
       return model.unembed(hidden), cache
     return model.unembed(hidden[:batch]), cache
 
-  def _next(self, weights, cache: KVCache, tokens, positions, sampling, scored: bool):
+  def _next(self, weights, cache: KVCache, tokens, positions, tables, sampling, scored: bool):
     """(next tokens [B], their scores [B, E] or None, next positions [B], cache) of one decode
     step."""
     batch = tokens.shape[0]
-    logits, cache = self._logits(self.split.merge(weights), tokens, positions, cache)
+    logits, cache = self._logits(self.split.merge(weights), tokens, positions, tables, cache)
     next_positions = jnp.where(positions < 0, positions, positions + 1)
     rows = logits.shape[0]
     # [B] -> [P] when the logits cover the padded rows (padding rows: greedy, position 0)
@@ -118,48 +124,50 @@ class StepFunctions:
     scores = token_scores(logits, picked)[:batch] if scored else None
     return picked[:batch], scores, next_positions, cache
 
-  def decode(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays | None):
-    next_tokens, _, next_positions, cache = self._next(weights, cache, tokens, positions,
+  def decode(self, weights, cache: KVCache, tokens, positions, tables,
+             sampling: SamplingArrays | None):
+    next_tokens, _, next_positions, cache = self._next(weights, cache, tokens, positions, tables,
                                                        sampling, scored=False)
     # `emitted` is the copy the host reads (the executables write it to host memory):
     # `next_tokens` is donated into the following step. It comes after the donated state, so
     # that each donated input's buffer is reused by the output of its own kind.
     return next_tokens, next_positions, cache, next_tokens
 
-  def decode_scored(self, weights, cache: KVCache, tokens, positions, sampling: SamplingArrays):
+  def decode_scored(self, weights, cache: KVCache, tokens, positions, tables,
+                    sampling: SamplingArrays):
     """`decode`, with the new tokens' scores."""
     next_tokens, scores, next_positions, cache = self._next(weights, cache, tokens, positions,
-                                                            sampling, scored=True)
+                                                            tables, sampling, scored=True)
     return next_tokens, next_positions, cache, next_tokens, scores
 
   @staticmethod
   def token_logprobs(logits, tokens):
     return token_scores(logits, tokens)
 
-  def prompts(self, weights, cache: KVCache, tokens, lengths, first):
-    """The first chunk of B prompts into cache rows [first, first + B) (an int32 scalar; rows
-    past the real prompts are free slots); returns each row's greedy next token [B], the
+  def prompts(self, weights, cache: KVCache, tokens, lengths, tables):
+    """The first chunk of B prompts, row b into the blocks tables[b] from position 0 (a row of
+    length 0 is padding and writes nothing); returns each row's greedy next token [B], the
     logits it was picked from and the cache."""
     model = self.split.merge(weights)
-    hidden, cache = model.prefill_hidden(tokens, lengths, cache,
-                                         attention=AtRows(self.attention, first),
+    hidden, cache = model.prefill_hidden(tokens, lengths, cache, attention=self._paged(tables),
                                          layer_loop=self.forward.layer_loop, shards=self.shards)
     logits = self._head(model, hidden)
     return select_tokens(logits, lengths, None), logits, cache
 
-  def chunk(self, weights, cache: KVCache, tokens, slots, starts, lengths):
+  def chunk(self, weights, cache: KVCache, tokens, tables, starts, lengths):
     """A later chunk of B prompts at their cache offsets: row b's first lengths[b] tokens of
-    tokens [B, C] go to cache row slots[b] at positions starts[b].. (int32 [B]; the keys before
-    are in the cache already; a row of length 0 is padding and writes nothing). Returns each
-    row's greedy token after its chunk's last real token, [B] (meaningful after a prompt's last
-    chunk), the logits it was picked from, and the cache."""
+    tokens [B, S] go to the blocks tables[b] at positions starts[b].. (int32 [B]; the keys
+    before are in the cache already; a row of length 0 is padding and writes nothing). Returns
+    each row's greedy token after its chunk's last real token, [B] (meaningful after a prompt's
+    last chunk), the logits it was picked from, and the cache."""
     model = self.split.merge(weights)
     size = tokens.shape[1]
     offsets = jnp.arange(size, dtype=jnp.int32)[None, :]
-    # [B, C]; padding past each row's length is -1 (not written)
+    # [B, S]; padding past each row's length is -1 (not written)
     positions = jnp.where(offsets < lengths[:, None], starts[:, None] + offsets, -1)
-    hidden, cache = model.extend_hidden(tokens, positions, slots, cache,
-                                        attention=self.attention,
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)  # (the tables name each row's blocks)
+    hidden, cache = model.extend_hidden(tokens, positions, rows, cache,
+                                        attention=self._paged(tables),
                                         layer_loop=self.forward.layer_loop, shards=self.shards)
     # [B, 1, D]: each row's last real token's hidden state
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
@@ -176,42 +184,6 @@ class StepFunctions:
     # [1, S] -> [S]: each position's next token
     following = jnp.roll(tokens[0], -1)
     return token_scores(logits[0], following)
-
-  @staticmethod
-  def move(cache: KVCache, source, target):
-    """cache rows: target <- source (int32 scalars), every layer."""
-    def one(array):
-      # [L, 1, T, K, H]
-      row = jax.lax.dynamic_slice_in_dim(array, source, 1, axis=1)
-      return jax.lax.dynamic_update_slice_in_dim(array, row, target, axis=1)
-    return KVCache(k=one(cache.k), v=one(cache.v))
-
-  @staticmethod
-  def load(cache: KVCache, pool: KVCache, slots, blocks, sources):
-    """Cache row slots[p]'s block blocks[p] <- pool block sources[p], for each pair p (int32
-    [P]) with slots[p] >= 0 (the rest is padding)."""
-    def one(array, pool_array):
-      block = pool_array.shape[2]
-      # [P, G]: the positions of each pair's block in its row
-      positions = blocks[:, None] * block + jnp.arange(block)[None, :]
-      rows = jnp.where(slots < 0, array.shape[1], slots)  # out of range: dropped
-      # [L, N, G, K, H] -> [L, P, G, K, H]
-      taken = jnp.take(pool_array, sources, axis=1, mode="clip")
-      return array.at[:, rows[:, None], positions].set(taken, mode="drop")
-    return KVCache(k=one(cache.k, pool.k), v=one(cache.v, pool.v))
-
-  @staticmethod
-  def save(pool: KVCache, cache: KVCache, slots, blocks, targets):
-    """Pool block targets[p] <- cache row slots[p]'s block blocks[p], for each pair p (int32
-    [P]) with targets[p] >= 0 (the rest is padding)."""
-    def one(pool_array, array):
-      count, block = pool_array.shape[1], pool_array.shape[2]
-      positions = blocks[:, None] * block + jnp.arange(block)[None, :]
-      # [L, B', T, K, H] -> [L, P, G, K, H]
-      taken = array[:, jnp.maximum(slots, 0)[:, None], positions]
-      where = jnp.where(targets < 0, count, targets)  # out of range: dropped
-      return pool_array.at[:, where].set(taken, mode="drop")
-    return KVCache(k=one(pool.k, cache.k), v=one(pool.v, cache.v))
 
 
 def _pad_rows(x, rows: int, value=0):
