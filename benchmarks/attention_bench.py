@@ -288,18 +288,19 @@ def _paged_inputs(seed: int, layers: int, q_lens, seq_lens, page_size: int, widt
   return inputs
 
 
-def _paged_attend(config):
+def _paged_attend(config, decode_only: bool = False):
   def attend(q, k_new, v_new, k_pages, v_pages, tables, lens, starts, *, layer):
     return ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, jnp.int32(layer), tables,
-                                  lens, starts, config=config, interpret=INTERPRET)
+                                  lens, starts, config=config, decode_only=decode_only,
+                                  interpret=INTERPRET)
   return attend
 
 
-def _paged_error(inputs, config) -> float:
+def _paged_error(inputs, config, decode_only: bool = False) -> float:
   """Relative error of the kernel's attention against the jnp reference (fresh caches each)."""
   q, k_new, v_new, k_pages, v_pages, *index = inputs()
   out = ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, jnp.int32(0), *index,
-                               config=config, interpret=INTERPRET)[0]
+                               config=config, decode_only=decode_only, interpret=INTERPRET)[0]
   return relative_error(out, ragged_paged_attention_reference(*inputs()[:5], 0, *index)[0])
 
 
@@ -317,22 +318,27 @@ def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes
         inputs = _paged_inputs(batch, c.num_layers, [1] * batch, [position + 1] * batch,
                                page_size, cache_len // page_size, c.num_heads, c.num_kv_heads,
                                c.head_dim)
-        timed = [(layers_us(_paged_attend(config), inputs(), c.num_layers), config)
+        # The decode specialization (what the engine's decode steps run), then the general
+        # kernel on the same rows at its default.
+        timed = [(layers_us(_paged_attend(config, True), inputs(), c.num_layers), config)
                  for config in PAGED_DECODE_CONFIGS]
+        general_us = layers_us(_paged_attend(PAGED_DECODE_CONFIGS[0]), inputs(), c.num_layers)
         default_us = timed[0][0]
         best_us, best = min(timed, key=lambda t: t[0])
         row = dict(kernel="ragged_paged_attention", phase="decode", model=model, batch=batch,
                    cache_len=cache_len, length=position + 1, page_size=page_size,
                    heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                    layers=c.num_layers, floor_us=floor, slot_decode_us=slot_us,
+                   decode_only=True, general_default_us=general_us,
                    default_us=default_us, pallas_us=best_us, pallas_config=dataclasses.asdict(best),
                    all_us={f"s{c.split_size}_m{c.min_programs}_w{c.num_warps}_st{c.num_stages}":
                            us for us, c in timed},
-                   rel_error_vs_xla=_paged_error(inputs, best),
+                   rel_error_vs_xla=_paged_error(inputs, best, True),
                    pallas_bandwidth_share=floor / best_us)
         rows.append(row)
         print(f"paged decode {model:13s} B={batch:<3d} C={page_size:<3d} default "
-              f"{default_us:6.1f} best {best_us:6.1f} us/layer, slot kernel {slot_us:6.1f}, "
+              f"{default_us:6.1f} best {best_us:6.1f} us/layer (general {general_us:6.1f}), "
+              f"slot kernel {slot_us:6.1f}, "
               f"floor {floor:5.1f}, err {row['rel_error_vs_xla']:.1e}", flush=True)
   return rows
 

@@ -1057,7 +1057,7 @@ def test_warmup_shows_a_bar_only_for_what_it_compiles(capsys):
   engine.warmup(phases=("decode",), progress=True, on_progress=lambda *c: seen.append(c))
   assert capsys.readouterr().err == "" and seen == [(3, 3)]
   seen.clear()
-  engine.warmup(phases=("decode", "chunk"), progress=True, on_progress=lambda *c: seen.append(c))
+  engine.warmup(phases=("decode", "prefill"), progress=True, on_progress=lambda *c: seen.append(c))
   err = capsys.readouterr().err
   assert "| 1/1 [" in err and "compiling: 0exe" not in err, err  # (the empty bar's format)
   assert seen == [(3, 4), (4, 4)]

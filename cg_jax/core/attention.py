@@ -192,15 +192,15 @@ class PagedAttention:
     # q [B, N, H] -> [B, 1, N, H]; a negative position is an idle row (no token)
     out, k_all, v_all = self._rows(q[:, None], k[:, None], v[:, None],
                                    jnp.maximum(positions, 0), (positions >= 0).astype(jnp.int32),
-                                   k_all, v_all, layer, self.config)
+                                   k_all, v_all, layer, self.config, decode_only=True)
     return out[:, 0], k_all, v_all
 
-  def _rows(self, q, k, v, starts, counts, k_all, v_all, layer, config):
+  def _rows(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only=False):
     """Row b's first counts[b] tokens of q [B, S, N, H] (k, v [B, S, K, H]) at positions
     starts[b].., attending causally to its keys; the other tokens are padding (zeros out)."""
     batch, size = q.shape[:2]
     if self.kernel:
-      return self._kernel(q, k, v, starts, counts, k_all, v_all, layer, config)
+      return self._kernel(q, k, v, starts, counts, k_all, v_all, layer, config, decode_only)
     _, num_pages, page_size, kv_heads, head_dim = k_all.shape
     width = self.tables.shape[1]
     # [B, S]: each token's position, whether it is real, its block and slot
@@ -220,7 +220,7 @@ class PagedAttention:
     out = softmax_attention(q, keys, values, mask)
     return jnp.where(real[..., None, None], out, 0), k_all, v_all
 
-  def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer, config):
+  def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only):
     batch, size, heads, head_dim = q.shape
     mesh = self.mesh
     heads_spec = None if mesh is None else _heads(mesh, 3, 1)
@@ -230,7 +230,8 @@ class PagedAttention:
 
     def kernel(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts, query_lens):
       return ragged_paged_attention(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts,
-                                    query_lens, config=config, interpret=self.interpret)
+                                    query_lens, config=config, decode_only=decode_only,
+                                    interpret=self.interpret)
 
     # [B, S, N, H] -> [B S, N, H]
     flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731

@@ -170,6 +170,117 @@ def split_layout(tiles: int, kv_heads: int, positions: int,
   return split, pl.cdiv(positions, split)
 
 
+def _online(carry, query, keys, values, sm_scale: float, visible=None):
+  """The online-softmax update of (acc [rows, H], max [rows], denom [rows]) by one block of keys
+  and values [block, H] for query [rows, H]; `visible` [rows, block] masks it (None: every row
+  sees every key, an interior block)."""
+  acc, row_max, denom = carry
+  # [rows, block] = query [rows, H] . keys [block, H]^T; HIGHEST keeps f32 off TF32.
+  scores = lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
+                           precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32) * sm_scale
+  if visible is not None:
+    scores = jnp.where(visible, scores, -jnp.inf)
+  # [rows]; a row may see no key in a masked block: its max stays -inf, exp uses 0.
+  new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+  safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+  rescale = jnp.exp(row_max - safe_max)
+  probs = jnp.exp(scores - safe_max[:, None])
+  denom = denom * rescale + jnp.sum(probs, axis=1)
+  # [rows, H] = probs [rows, block] . values [block, H]
+  block_out = lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+                              precision=lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+  return acc * rescale[:, None] + block_out, new_max, denom
+
+
+def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, q_ref, k_new_ref, v_new_ref,
+                   k_pages_ref, v_pages_ref, *out_refs, sm_scale: float, rows: int, group: int,
+                   block_k: int, split: int):
+  """One (sequence, KV head, split) program of a decode-only call: sequence r's one query token
+  (if q_lens[r] > 0) is token r, at position seq_lens[r] - 1. Refs as `_kernel`'s, without the
+  tile layout and query_starts."""
+  *out_refs, k_out_ref, v_out_ref = out_refs
+  num_blocks_table = tables_ref.shape[1]
+  head_dim = q_ref.shape[2]
+  page_size = k_pages_ref.shape[2]
+  seq, kv_head, split_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  layer = layer_ref[0]
+  active = q_lens_ref[seq] > 0
+  position = jnp.where(active, lens_ref[seq], 0) - 1  # the token's own key (-1: idle)
+
+  # [rows] = the padded group heads of this KV head
+  row = jnp.arange(rows)
+  stored = row < group
+  head = kv_head * group + jnp.minimum(row, group - 1)
+  token = jnp.full((rows,), seq, jnp.int32)
+  dims = jnp.arange(head_dim)
+  # [rows, H]
+  query = pltriton.load(q_ref.at[token[:, None], head[:, None], dims[None, :]],
+                        mask=(stored & active)[:, None], other=0.0)
+  split_start = split_index * split
+  cached = jnp.maximum(jnp.minimum(position, split_start + split) - split_start, 0)
+
+  def block(block_index, carry, masked: bool):
+    block_start = split_start + block_index * block_k
+    page = tables_ref[seq, jnp.minimum(block_start // page_size, num_blocks_table - 1)]
+
+    def at(ref):
+      return ref.at[layer, page, pl.ds(block_start % page_size, block_k), kv_head, :]
+    if not masked:
+      return _online(carry, query, pltriton.load(at(k_pages_ref)), pltriton.load(at(v_pages_ref)),
+                     sm_scale)
+    valid = block_start + jnp.arange(block_k) < split_start + cached
+    keys, values = (pltriton.load(at(ref), mask=valid[:, None], other=0.0)
+                    for ref in (k_pages_ref, v_pages_ref))
+    return _online(carry, query, keys, values, sm_scale, valid[None, :])
+
+  carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+           jnp.zeros((rows,), jnp.float32))
+  carry = lax.fori_loop(0, cached // block_k, functools.partial(block, masked=False), carry)
+  acc, row_max, denom = lax.fori_loop(cached // block_k, pl.cdiv(cached, block_k),
+                                      functools.partial(block, masked=True), carry)
+
+  # The token's own key, in the split that holds its position: one key, elementwise.
+  own = active & (position >= split_start) & (position < split_start + split)
+  # [H]
+  key, value = (pltriton.load(ref.at[seq, kv_head, :]).astype(jnp.float32)
+                for ref in (k_new_ref, v_new_ref))
+  # [rows]
+  score = jnp.sum(query.astype(jnp.float32) * key[None, :], axis=1) * sm_scale
+  new_max = jnp.where(own, jnp.maximum(row_max, score), row_max)
+  safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+  rescale = jnp.exp(row_max - safe_max)
+  prob = jnp.where(own, jnp.exp(score - safe_max), 0.0)
+  acc = acc * rescale[:, None] + prob[:, None] * value[None, :]
+  denom, row_max = denom * rescale + prob, new_max
+  valid = stored & active
+  acc = jnp.where(valid[:, None], acc, 0.0)
+  row_max = jnp.where(valid, row_max, -jnp.inf)
+  denom = jnp.where(valid, denom, 0.0)
+  head_at = jnp.where(stored, head, q_ref.shape[1])  # rows past the group: dropped
+
+  if len(out_refs) == 1:  # one split: normalise here
+    (out_ref,) = out_refs
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+    pltriton.store(out_ref.at[token[:, None], head_at[:, None], dims[None, :]],
+                   out.astype(out_ref.dtype), mask=stored[:, None])
+  else:
+    acc_ref, max_ref, denom_ref = out_refs
+    pltriton.store(acc_ref.at[token[:, None], split_index, head_at[:, None], dims[None, :]], acc,
+                   mask=stored[:, None])
+    pltriton.store(max_ref.at[token, split_index, head_at], row_max, mask=stored)
+    pltriton.store(denom_ref.at[token, split_index, head_at], denom, mask=stored)
+
+  @pl.when((split_index == 0) & active)
+  def _write_new():
+    page = tables_ref[seq, jnp.clip(position // page_size, 0, num_blocks_table - 1)]
+    slot = position % page_size
+    for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
+      pltriton.store(out_ref.at[layer, page, slot, kv_head, :],
+                     pltriton.load(new_ref.at[seq, kv_head, :]).astype(out_ref.dtype))
+
+
 def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tables_ref, layer_ref,
             q_ref,
             k_new_ref, v_new_ref, k_pages_ref, v_pages_ref, *out_refs, sm_scale: float,
@@ -230,26 +341,7 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
                         mask=row_valid[:, None], other=0.0)
 
   def online(carry, keys, values, visible=None):
-    """The online-softmax update by one block of keys [block, H]; `visible` [Q G_pad, block]
-    masks it (None: every row sees every key, an interior block)."""
-    acc, row_max, denom = carry
-    # [Q G_pad, block] = query [Q G_pad, H] . keys [block, H]^T; HIGHEST keeps f32 off TF32.
-    scores = lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
-                             precision=lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32) * sm_scale
-    if visible is not None:
-      scores = jnp.where(visible, scores, -jnp.inf)
-    # [Q G_pad]; a row may see no key in a masked block: its max stays -inf, exp uses 0.
-    new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-    rescale = jnp.exp(row_max - safe_max)
-    probs = jnp.exp(scores - safe_max[:, None])
-    denom = denom * rescale + jnp.sum(probs, axis=1)
-    # [Q G_pad, H] = probs [Q G_pad, block] . values [block, H]
-    block_out = lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
-                                precision=lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32)
-    return acc * rescale[:, None] + block_out, new_max, denom
+    return _online(carry, query, keys, values, sm_scale, visible)
 
   def page_block(block_start, masked: bool):
     """Keys and values [block_k, H] of the cached block at `block_start` (a multiple of
@@ -365,12 +457,12 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
                      new.astype(out_ref.dtype), mask=valid[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"),
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "decode_only", "interpret"),
                    donate_argnames=("k_pages", "v_pages"))
 def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_tables, seq_lens,
                            query_starts, query_lens=None, *, sm_scale: float | None = None,
                            config: RaggedPagedAttentionConfig = RaggedPagedAttentionConfig(),
-                           interpret: bool = False):
+                           decode_only: bool = False, interpret: bool = False):
   """Attention of a flat batch of query tokens over their sequences' pages (module docstring),
   writing the tokens' keys and values into the pages in place.
 
@@ -385,6 +477,9 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
       sequence with no query token (an idle row) is neither read nor written.
     sm_scale: softmax scale, 1/sqrt(H) when None.
     config: block sizes and launch settings.
+    decode_only: the caller promises a decode step's layout, query_starts = arange(R + 1) (A =
+      R; sequence r's query token, if query_lens[r] is 1, is token r): one program per
+      (sequence, KV head, split), no tile layout, the token's own key folded in elementwise.
     interpret: run in the Pallas interpreter (CPU tests).
   Returns:
     (out [A, N, H] in q's dtype, zeros for padding tokens; k_pages; v_pages).
@@ -409,16 +504,28 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
   padded_group = pl.next_power_of_2(group)
   tile_tokens = max(1, config.tile_rows // padded_group)
 
-  tile_seq, tile_start = tile_layout(query_starts, tokens, tile_tokens)
   positions = block_tables.shape[1] * page_size
-  split, num_splits = split_layout(tile_seq.shape[0], kv_heads, positions, config, block_k)
-
-  kernel = functools.partial(_kernel, sm_scale=float(sm_scale), tile_tokens=tile_tokens,
-                             padded_group=padded_group, group=group, block_k=block_k,
-                             split=split)
-  operands = [tile_seq, tile_start, query_starts, query_lens, seq_lens.astype(jnp.int32),
-              block_tables.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1), q,
-              k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype), k_pages, v_pages]
+  index = [seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+           jnp.asarray(layer, jnp.int32).reshape(1), q, k_new.astype(k_pages.dtype),
+           v_new.astype(v_pages.dtype), k_pages, v_pages]
+  if decode_only:
+    if tokens != block_tables.shape[0]:
+      raise ValueError(f"decode_only needs one token per sequence (A = R); got q "
+                       f"{tuple(q.shape)}, block_tables {tuple(block_tables.shape)}")
+    programs = tokens
+    split, num_splits = split_layout(programs, kv_heads, positions, config, block_k)
+    kernel = functools.partial(_decode_kernel, sm_scale=float(sm_scale),
+                               rows=max(MIN_DOT_DIM, padded_group), group=group,
+                               block_k=block_k, split=split)
+    operands = [query_lens, *index]
+  else:
+    tile_seq, tile_start = tile_layout(query_starts, tokens, tile_tokens)
+    programs = tile_seq.shape[0]
+    split, num_splits = split_layout(programs, kv_heads, positions, config, block_k)
+    kernel = functools.partial(_kernel, sm_scale=float(sm_scale), tile_tokens=tile_tokens,
+                               padded_group=padded_group, group=group, block_k=block_k,
+                               split=split)
+    operands = [tile_seq, tile_start, query_starts, query_lens, *index]
 
   def whole(shape):  # the whole array as every program's block (indexed in the kernel)
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
@@ -434,7 +541,7 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
                 jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
   *result, k_pages, v_pages = pl.pallas_call(
       kernel,
-      grid=(tile_seq.shape[0], kv_heads, num_splits),
+      grid=(programs, kv_heads, num_splits),
       in_specs=[whole(x.shape) for x in operands],
       out_specs=[whole(s.shape) for s in out_shape],
       out_shape=out_shape,

@@ -37,11 +37,12 @@ class Case:
   config: RaggedPagedAttentionConfig = SPLITS
   head_dim: int = 16
   page_size: int = 16
+  decode_only: bool = False  # the kernel's decode specialization (regions of one token)
 
   def __str__(self):
     return (f"{self.dtype}-N{self.heads}-K{self.kv_heads}-q{'_'.join(map(str, self.q_lens))}-"
             f"ctx{'_'.join(map(str, self.context))}-gaps{'_'.join(map(str, self.gaps))}-"
-            f"split{self.config.split_size}")
+            f"split{self.config.split_size}{'-decode' if self.decode_only else ''}")
 
 
 CASES = [
@@ -60,6 +61,15 @@ CASES = [
     # an idle row (no query token), a short fresh prompt; then decode rows with an idle one
     Case("float32", 8, 2, (5, 0, 3), (20, 7, 0), gaps=(3, 8, 5)),
     Case("bfloat16", 4, 4, (1, 0, 1), (30, 0, 16), gaps=(0, 1, 0), config=ONE_SPLIT),
+    # The decode specialization (one token per sequence, token r is sequence r's): GQA over
+    # several splits with an idle row and context on and off page boundaries; MHA in one
+    # split; MQA with a sequence whose only key is its own.
+    Case("float32", 8, 2, (1, 0, 1, 1), (40, 7, 16, 63), padding=0, gaps=(0, 1, 0, 0),
+         decode_only=True),
+    Case("bfloat16", 4, 4, (1, 1, 1), (15, 16, 47), padding=0, gaps=(0, 0, 0), config=ONE_SPLIT,
+         decode_only=True),
+    Case("bfloat16", 8, 1, (1, 1), (0, 60), padding=0, gaps=(0, 0), head_dim=32,
+         decode_only=True),
 ]
 
 
@@ -118,7 +128,7 @@ def test_matches_float64_attention_and_writes_only_the_new_slots(case, kernel):
   want, want_k, want_v = _expected(case, arrays, index, layer)
   if kernel == "pallas":
     got = ragged_paged_attention(**arrays, layer=jnp.int32(layer), **index, config=case.config,
-                                 interpret=True)
+                                 decode_only=case.decode_only, interpret=True)
   else:
     got = ragged_paged_attention_reference(**arrays, layer=layer, **index)
   out, k_pages, v_pages = (np.asarray(x, np.float64) for x in got)
@@ -167,14 +177,16 @@ def _specs(case: Case):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_lowers_to_triton_for_h200(dtype):
-  case = Case(dtype, 32, 8, (1, 1, 64), (500, 1000, 0), head_dim=64,
-              config=RaggedPagedAttentionConfig())
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_lowers_to_triton_for_h200(dtype, decode_only):
+  q_lens = (1, 1, 1) if decode_only else (1, 1, 64)
+  case = Case(dtype, 32, 8, q_lens, (500, 1000, 0), head_dim=64,
+              padding=0 if decode_only else 3, config=RaggedPagedAttentionConfig())
   s = _specs(case)
   order = ("q", "k_new", "v_new", "k_pages", "v_pages")
   text = lower_for_h200(
       lambda q, kn, vn, kp, vp, layer, bt, sl, qs: ragged_paged_attention(
-          q, kn, vn, kp, vp, layer, bt, sl, qs),
+          q, kn, vn, kp, vp, layer, bt, sl, qs, decode_only=decode_only),
       *(s[k] for k in order), jax.ShapeDtypeStruct((), jnp.int32),
       s["block_tables"], s["seq_lens"], s["query_starts"])
   assert "custom_call @__gpu$xla.gpu.triton" in text
