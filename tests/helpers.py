@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import ml_dtypes
 import numpy as np
@@ -121,3 +122,13 @@ def write_checkpoint(path, config: dict, tensors: dict[str, np.ndarray], *, shar
   with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {}, "weight_map": weight_map}, f)
   return str(path)
+
+
+def wait_blocks_released(engine, timeout: float = 10.0) -> dict:
+  """The engine's stats once no KV-cache block is in use: a finished request's blocks go back
+  when the engine thread retires it (its next iteration, after the steps in flight that still
+  write them), a moment after its result is delivered."""
+  deadline = time.monotonic() + timeout
+  while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return engine.stats()

@@ -21,8 +21,9 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   layers = engine.model_config.num_layers
   fn, args, donate, _, _ = engine.executables.signature(("decode", 4, True))
   text = lower_for_h200(fn, *args, donate_argnums=donate)
-  # One decode-attention kernel per layer, a Triton call; nothing interpreted.
-  calls = re.findall(r"call @(decode_attention\w*)\(", text)
+  # One paged-attention kernel per layer (its decode specialization), a Triton call; nothing
+  # interpreted.
+  calls = re.findall(r"call @(ragged_paged_attention\w*)\(", text)
   assert len(calls) == layers, calls
   assert "custom_call @__gpu$xla.gpu.triton" in text
   # The cache write is part of the attention kernel (aliased caches): no scatter in the step.

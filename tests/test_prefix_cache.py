@@ -9,6 +9,7 @@ from cg_jax import Engine
 from cg_jax.core.config import EngineConfig
 from cg_jax.core.executables import SERVING_PHASES
 from models.config import PRESETS
+from tests.helpers import wait_blocks_released
 
 OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2), prompt_buckets=(8, 16))
 
@@ -29,7 +30,8 @@ def test_config_checks_the_prefix_cache_and_sizes_the_paged_cache():
   # The Pallas kernel's pages: 64 tokens by default, a power of two >= 16 if given.
   assert EngineConfig.create(model, max_seq_len=256, attention="pallas").prefix_block == 64
   with pytest.raises(ValueError, match=r"prefix_block \(the KV-cache page size\) must be a "
-                                       r"power of two >= 16 for the Pallas attention kernel, got 24"):
+                                       r"power of two >= 16 for the Pallas attention kernel, "
+                                       r"got 24"):
     EngineConfig.create(model, max_seq_len=256, attention="pallas", prefix_block=24)
 
 
@@ -59,7 +61,10 @@ def test_a_hit_shares_blocks_and_copies_no_kv_bytes():
   assert {key[0] for key in ran} <= {"prompts", "chunk", "decode", "first", "cache"}
   # The hit's prompt ran as one later chunk from position 32 (its 9 own tokens).
   assert ("chunk", 1, 16) in ran
-  # Nothing runs; the two full prompt blocks they share stay cached, the rest is free.
+  # Nothing runs: once the engine thread retires the last request (its next iteration, after
+  # the steps in flight that still write its blocks), the two full prompt blocks they share
+  # stay cached and the rest is free.
+  stats = wait_blocks_released(engine)
   assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_cached"] == 2
   engine.reset_prefix_cache()
   assert engine.stats()["kv_blocks_cached"] == 0

@@ -14,6 +14,7 @@ from cg_jax import Engine
 from cg_jax.core import compile_stats
 from cg_jax.core.executables import SERVING_PHASES
 from cg_jax.handles import EngineClosed, QueueFull, RequestTimeout
+from tests.helpers import wait_blocks_released
 
 OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16))
 
@@ -110,7 +111,7 @@ def test_prefix_cache_eviction_keeps_tokens(engine_off):
   prompts = [p + [7] for p in _prompts(11, 12) if len(p) >= 9 for _ in range(2)]
   expected = [engine_off.generate([p], max_new_tokens=5, eos_token_id=[])[0] for p in prompts]
   assert [small.generate([p], max_new_tokens=5, eos_token_id=[])[0] for p in prompts] == expected
-  stats = small.stats()
+  stats = wait_blocks_released(small)
   assert stats["prefix_cache_evictions"] > 0 and stats["prefix_cache_hits"] > 0
   assert stats["kv_blocks"] == 11 and stats["kv_blocks_used"] == 0
   assert stats["kv_blocks_cached"] + stats["kv_blocks_free"] == 11

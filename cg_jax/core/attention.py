@@ -7,20 +7,20 @@ contract and the plain-XLA reference).
                    Prompt chunks at a cache offset (`extend`) run as XLA ops.
                    Under tensor parallelism each kernel runs per device on its heads
                    (`shard_map`: a Pallas call is opaque to XLA's SPMD partitioner).
-  AtRows           prompts written to cache rows [first, first + B) (scheduler slots) instead
-                   of [0, B), attended by the inner implementation's `causal` (flash on GPU).
   RealRows         decode over the first `rows` rows of a step whose hidden state is padded to
                    more rows (`ForwardConfig.min_matmul_rows`): the padding rows get zeros and
                    never touch the cache or the attention kernel.
   PagedAttention   the same methods over a paged cache: k_all, v_all are pages
                    [L, M, C, K, H] and row b of a call reads and writes the blocks of its own
                    block table; the ragged paged kernel (one call per layer, the cache write
-                   fused) or gathered pages with XLA ops. The engine's cache-using steps.
+                   fused; its decode specialization for decode steps), except fresh prompts
+                   (flash kernel, pages written by a scatter), or gathered pages with XLA ops.
+                   The engine's cache-using steps.
 
 `for_forward(config, mesh)` picks the cache-free implementation of a `ForwardConfig` and
 `paged_for_forward(config, mesh)` its paged one (tables given per call).
-(`PallasAttention`'s cache methods, `AtRows` and the slot kernels serve the kernel benchmarks and
-tests until the paged kernel matches them.)
+(`PallasAttention`'s cache methods and the slot cache's decode kernel serve the kernel benchmarks
+and tests until the paged kernel matches them.)
 """
 
 from __future__ import annotations
@@ -138,19 +138,6 @@ class RealRows:
 
 
 @dataclasses.dataclass(frozen=True)
-class AtRows:
-  """Prompts of B rows written to cache rows [first, first + B) (`first` may be traced; the
-  caller keeps first + B within the cache's rows), attended causally by `inner`."""
-
-  inner: Any
-  first: Any
-
-  def prefill(self, q, k, v, lengths, k_all, v_all, layer):
-    k_all, v_all = write_prompt(k, v, k_all, v_all, layer, row=self.first)
-    return self.inner.causal(q, k, v, lengths), k_all, v_all
-
-
-@dataclasses.dataclass(frozen=True)
 class PagedAttention:
   """Attention over a paged KV cache (k_all, v_all [L, M, C, K, H]): row b of a prefill,
   extend or decode call owns the blocks `tables[b]` (int32 [B, W]; position p of the row lives
@@ -178,8 +165,14 @@ class PagedAttention:
 
   def prefill(self, q, k, v, lengths, k_all, v_all, layer):
     # q [B, S, N, H]: row b's first lengths[b] tokens at positions 0..
-    return self._rows(q, k, v, jnp.zeros_like(lengths), lengths, k_all, v_all, layer,
-                      self.prefill_config)
+    starts = jnp.zeros_like(lengths)
+    if self.kernel:
+      # Fresh prompts read nothing from the cache: the flash kernel attends them (the ragged
+      # kernel is slower there: results/ragged_paged_attention_v3_h200.md) and their keys and
+      # values are scattered into their pages.
+      k_all, v_all, _, _ = self._write(k, v, starts, lengths, k_all, v_all, layer)
+      return self.inner.causal(q, k, v, lengths), k_all, v_all
+    return self._rows(q, k, v, starts, lengths, k_all, v_all, layer, self.prefill_config)
 
   def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
     # q [B, C, N, H]; positions [B, C]: a row's real tokens first, at consecutive positions,
@@ -198,20 +191,12 @@ class PagedAttention:
   def _rows(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only=False):
     """Row b's first counts[b] tokens of q [B, S, N, H] (k, v [B, S, K, H]) at positions
     starts[b].., attending causally to its keys; the other tokens are padding (zeros out)."""
-    batch, size = q.shape[:2]
+    batch = q.shape[0]
     if self.kernel:
       return self._kernel(q, k, v, starts, counts, k_all, v_all, layer, config, decode_only)
-    _, num_pages, page_size, kv_heads, head_dim = k_all.shape
+    _, _, page_size, kv_heads, head_dim = k_all.shape
     width = self.tables.shape[1]
-    # [B, S]: each token's position, whether it is real, its block and slot
-    offsets = jnp.arange(size, dtype=jnp.int32)[None, :]
-    position = starts[:, None] + offsets
-    real = offsets < counts[:, None]
-    page = jnp.where(real, jnp.take_along_axis(
-        self.tables, jnp.clip(position // page_size, 0, width - 1), axis=1), num_pages)
-    slot = position % page_size
-    k_all = k_all.at[layer, page, slot].set(k.astype(k_all.dtype), mode="drop")
-    v_all = v_all.at[layer, page, slot].set(v.astype(v_all.dtype), mode="drop")
+    k_all, v_all, position, real = self._write(k, v, starts, counts, k_all, v_all, layer)
     # [B, W C, K, H]: each row's keys and values in position order
     keys = k_all[layer][self.tables].reshape(batch, width * page_size, kv_heads, head_dim)
     values = v_all[layer][self.tables].reshape(keys.shape)
@@ -219,6 +204,23 @@ class PagedAttention:
     mask = (jnp.arange(width * page_size)[None, None, :] <= position[:, :, None]) & real[..., None]
     out = softmax_attention(q, keys, values, mask)
     return jnp.where(real[..., None, None], out, 0), k_all, v_all
+
+  def _write(self, k, v, starts, counts, k_all, v_all, layer):
+    """Row b's first counts[b] keys and values of k, v [B, S, K, H] scattered into its pages at
+    positions starts[b].. (the other tokens dropped); also returns each token's position and
+    whether it is real, [B, S]."""
+    num_pages, page_size = k_all.shape[1], k_all.shape[2]
+    width = self.tables.shape[1]
+    # [B, S]: each token's position, whether it is real, its block and slot
+    offsets = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+    position = starts[:, None] + offsets
+    real = offsets < counts[:, None]
+    page = jnp.where(real, jnp.take_along_axis(
+        self.tables, jnp.clip(position // page_size, 0, width - 1), axis=1), num_pages)
+    slot = position % page_size
+    k_all = k_all.at[layer, page, slot].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, page, slot].set(v.astype(v_all.dtype), mode="drop")
+    return k_all, v_all, position, real
 
   def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only):
     batch, size, heads, head_dim = q.shape
