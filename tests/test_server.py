@@ -497,6 +497,7 @@ def test_metrics_count_requests_and_tokens(client, engine, port):
   assert after[("cg_jax_compiles_since_warmup", ())] == 0  # nothing compiled on the request path
   if "prefix_cache_hits" in engine.stats():
     assert ("cg_jax_prefix_cache_hits", ()) in after
+  assert after[("cg_jax_kv_blocks", ())] == engine.stats()["kv_blocks"] > 0
 
 
 # --------------------------------------------------------------------------------------------------

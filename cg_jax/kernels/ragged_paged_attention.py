@@ -29,6 +29,10 @@ sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cac
      GPU (`min_programs`: small decode batches; prompt chunks keep one split); the partials are
      combined in jnp (`decode_attention.combine_splits`). With one split the
      program normalises and writes the result itself.
+  5. Decode steps (`decode_only`: one query token per sequence, token r of sequence r) skip the
+     tile layout: one program per (sequence, KV head, split) reads its pages and folds the
+     token's own key in elementwise (no second key loop), so a decode row's chain of dependent
+     loads is the slot cache kernel's plus one page lookup per block.
 
 Loads and stores of rows past a sequence's tokens, heads past G and keys past the causal limit
 are masked; their indices point past the arrays (a masked store is dropped, in the interpreter
@@ -194,6 +198,28 @@ def _online(carry, query, keys, values, sm_scale: float, visible=None):
   return acc * rescale[:, None] + block_out, new_max, denom
 
 
+def _store(out_refs, carry, valid, stored, token_at, head_at, split_index) -> None:
+  """A program's rows out: zeros for rows without a query token (not `valid`); with one split the
+  normalised output [A, N, H], else the partials for `combine_splits` ([A, splits, N(, H)]).
+  Row i goes to token token_at[i], head head_at[i]; rows not `stored` are dropped."""
+  acc, row_max, denom = carry
+  acc = jnp.where(valid[:, None], acc, 0.0)
+  row_max = jnp.where(valid, row_max, -jnp.inf)
+  denom = jnp.where(valid, denom, 0.0)
+  dims = jnp.arange(acc.shape[1])
+  if len(out_refs) == 1:  # one split: normalise here
+    (out_ref,) = out_refs
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+    pltriton.store(out_ref.at[token_at[:, None], head_at[:, None], dims[None, :]],
+                   out.astype(out_ref.dtype), mask=stored[:, None])
+    return
+  acc_ref, max_ref, denom_ref = out_refs
+  pltriton.store(acc_ref.at[token_at[:, None], split_index, head_at[:, None], dims[None, :]], acc,
+                 mask=stored[:, None])
+  pltriton.store(max_ref.at[token_at, split_index, head_at], row_max, mask=stored)
+  pltriton.store(denom_ref.at[token_at, split_index, head_at], denom, mask=stored)
+
+
 def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, q_ref, k_new_ref, v_new_ref,
                    k_pages_ref, v_pages_ref, *out_refs, sm_scale: float, rows: int, group: int,
                    block_k: int, split: int):
@@ -254,23 +280,8 @@ def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, q_ref, k_new_ref
   prob = jnp.where(own, jnp.exp(score - safe_max), 0.0)
   acc = acc * rescale[:, None] + prob[:, None] * value[None, :]
   denom, row_max = denom * rescale + prob, new_max
-  valid = stored & active
-  acc = jnp.where(valid[:, None], acc, 0.0)
-  row_max = jnp.where(valid, row_max, -jnp.inf)
-  denom = jnp.where(valid, denom, 0.0)
   head_at = jnp.where(stored, head, q_ref.shape[1])  # rows past the group: dropped
-
-  if len(out_refs) == 1:  # one split: normalise here
-    (out_ref,) = out_refs
-    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
-    pltriton.store(out_ref.at[token[:, None], head_at[:, None], dims[None, :]],
-                   out.astype(out_ref.dtype), mask=stored[:, None])
-  else:
-    acc_ref, max_ref, denom_ref = out_refs
-    pltriton.store(acc_ref.at[token[:, None], split_index, head_at[:, None], dims[None, :]], acc,
-                   mask=stored[:, None])
-    pltriton.store(max_ref.at[token, split_index, head_at], row_max, mask=stored)
-    pltriton.store(denom_ref.at[token, split_index, head_at], denom, mask=stored)
+  _store(out_refs, (acc, row_max, denom), stored & active, stored, token, head_at, split_index)
 
   @pl.when((split_index == 0) & active)
   def _write_new():
@@ -423,21 +434,8 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   acc, row_max, denom = lax.fori_loop(
       interior, pl.cdiv(jnp.maximum(new_end - new_start, 0), own_size), masked_own, carry)
   # Padding rows of a region saw the keys unmasked: they output nothing (zeros).
-  acc = jnp.where(row_valid[:, None], acc, 0.0)
-  row_max = jnp.where(row_valid, row_max, -jnp.inf)
-  denom = jnp.where(row_valid, denom, 0.0)
-
-  if len(out_refs) == 1:  # one split: normalise here
-    (out_ref,) = out_refs
-    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
-    pltriton.store(out_ref.at[row_token_at[:, None], row_head[:, None], dims[None, :]],
-                   out.astype(out_ref.dtype), mask=row_stored[:, None])
-  else:
-    acc_ref, max_ref, denom_ref = out_refs
-    pltriton.store(acc_ref.at[row_token_at[:, None], split_index, row_head[:, None],
-                              dims[None, :]], acc, mask=row_stored[:, None])
-    pltriton.store(max_ref.at[row_token_at, split_index, row_head], row_max, mask=row_stored)
-    pltriton.store(denom_ref.at[row_token_at, split_index, row_head], denom, mask=row_stored)
+  _store(out_refs, (acc, row_max, denom), row_valid, row_stored, row_token_at, row_head,
+         split_index)
 
   @pl.when(split_index == 0)
   def _write_new():

@@ -26,7 +26,8 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 
 class EngineGauges:
   """Gauges read from `engine.stats()` at each scrape: queue depth, running requests, slot
-  occupancy, compiles since warm-up and every numeric `prefix_cache_*` entry."""
+  occupancy, compiles since warm-up and every numeric `kv_block*` (the paged cache's blocks)
+  and `prefix_cache_*` entry."""
 
   GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
       "waiting": ("cg_jax_requests_waiting", "requests in the engine's waiting queue"),
@@ -44,7 +45,7 @@ class EngineGauges:
       if is_number(stats.get(key)):
         yield GaugeMetricFamily(name, help_text, value=stats[key])
     for key, value in stats.items():
-      if key.startswith("prefix_cache_") and is_number(value):
+      if key.startswith(("prefix_cache_", "kv_block")) and is_number(value):
         yield GaugeMetricFamily(f"cg_jax_{key}", f"engine.stats()[{key!r}]", value=value)
 
 
