@@ -217,8 +217,8 @@ class Engine:
 
     By default the executables that `generate`, `stream` and `submit` use: first prompt chunks
     per prompt bucket and batch bucket (up to 16 prompts), later chunks per prompt bucket, a
-    greedy and a sampling decode step per batch bucket, the slot move, the prefix cache's block
-    copies and the cache (`executable_keys()` lists them); `phases=cg_jax.core.executables.PHASES`
+    greedy and a sampling decode step per batch bucket, and the paged cache
+    (`executable_keys()` lists them); `phases=cg_jax.core.executables.PHASES`
     adds the log-probability and static-path ones. Narrow it to the buckets you will use
     (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start
     fast.
