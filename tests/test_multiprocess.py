@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 from cg_jax import Engine
+from tests.multiprocess_worker import OPTIONS, PROMPTS  # (never tests/ itself on sys.path:
+# tests/kernels would be a top-level `kernels`, which transformers >= 5.25 imports if it finds one)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from multiprocess_worker import OPTIONS, PROMPTS  # noqa: E402
 
 
 def _free_port() -> int:
