@@ -163,7 +163,10 @@ def test_admission_takes_free_rows_and_a_whole_life_of_blocks():
   admitted = planner.admit(waiting, occupied=0)
   assert [(a.slot, len(a.blocks), a.cached) for a in admitted] == [(0, 4, 0), (1, 2, 0), (2, 1, 0)]
   assert len({b for a in admitted for b in a.blocks}) == 7 and planner.pool.available == 1
-  assert planner.admit([Request([4] * 4, max_new_tokens=4)], occupied=3) == ()  # needs 2
+  assert not planner.admissible([Request([4] * 4, max_new_tokens=4)], occupied=3)  # needs 2
+  assert planner.admit([Request([4] * 4, max_new_tokens=4)], occupied=3) == ()
+  assert planner.admissible([Request([4] * 2, max_new_tokens=2)], occupied=3)
+  assert not planner.admissible(waiting, occupied=8) and not planner.admissible([], 0)
   assert planner.admit(waiting, occupied=8) == ()  # no free row
   for request, admission in zip(waiting, admitted):
     request.blocks = list(admission.blocks)

@@ -40,9 +40,9 @@ import numpy as np
 
 from cg_jax import validation
 from cg_jax.core import host_io
+from cg_jax.core.block_pool import BlockPool
 from cg_jax.core.config import EngineConfig
 from cg_jax.core.executables import ExecutableTable
-from cg_jax.core.block_pool import BlockPool
 from cg_jax.core.kv_cache import CacheHolder
 from cg_jax.core.sampling import SamplingArrays
 from cg_jax.core.step_plan import ChunkPlan, DecodePlan, MovePlan, PlanConfig, Planner
@@ -243,9 +243,7 @@ class Scheduler:
     stale = [live for live in self._slots if live.cancelled or live.finished
              or live.expired(now)]
     with self._wakeup:
-      # (a row is free and the head of the queue has its blocks: `admit` takes them then)
-      startable = bool(self._waiting) and len(self._slots) < self.config.buckets.max_batch and (
-          self.planner.config.blocks_needed(self._waiting[0]) <= self.blocks.available)
+      startable = self.planner.admissible(self._waiting, len(self._slots))
       stale = stale or any(w.cancelled or w.expired(now) for w in self._waiting)
     if stale or startable:
       self._drain()

@@ -209,6 +209,15 @@ class Planner:
     """Whether the request's blocks could ever be had (the whole pool free)."""
     return self.config.blocks_needed(request) <= self.pool.num_blocks
 
+  def admissible(self, waiting: Sequence[Scheduled], occupied: int) -> bool:
+    """Whether `admit` would let the head of the queue in now (a free row and its blocks),
+    without taking anything."""
+    return bool(waiting) and occupied < self.config.max_batch and self._has_blocks(waiting[0])
+
+  def _has_blocks(self, request: Scheduled) -> bool:
+    # Enough: the shared blocks a match takes from the cached ones are among those needed.
+    return self.config.blocks_needed(request) <= self.pool.available
+
   def admit(self, waiting: Sequence[Scheduled], occupied: int) -> tuple[Admission, ...]:
     """The next waiting requests that the free rows after [0, occupied) and the pool's blocks
     take, in order; the first that does not get its blocks waits, and so do those behind it.
@@ -216,10 +225,9 @@ class Planner:
     c = self.config
     admitted = []
     for request in itertools.islice(waiting, max(c.max_batch - occupied, 0)):
-      needed = c.blocks_needed(request)
-      # Enough: the shared blocks a match takes from the cached ones are among those needed.
-      if needed > self.pool.available:
+      if not self._has_blocks(request):
         break
+      needed = c.blocks_needed(request)
       shared: list[int] = []
       if c.prefix_cache:
         # Batch-invariant engines take whole chunks only: the chunk boundaries of a miss.

@@ -198,6 +198,34 @@ def _online(carry, query, keys, values, sm_scale: float, visible=None):
   return acc * rescale[:, None] + block_out, new_max, denom
 
 
+def _cached_keys(carry, query, tables_ref, k_pages_ref, v_pages_ref, layer, seq, kv_head,
+                 start, end, block_k: int, sm_scale: float):
+  """`_online` over sequence `seq`'s cached keys at positions [start, end), read from its pages
+  in blocks of block_k from `start` (a multiple of block_k, a divisor of C: each block lies in
+  one page): whole blocks load unmasked, the last partial one masked. Every query row sees
+  every one of these keys (all are below its position)."""
+  page_size, width = k_pages_ref.shape[2], tables_ref.shape[1]
+  count = jnp.maximum(end - start, 0)
+
+  def block(block_index, carry, masked: bool):
+    block_start = start + block_index * block_k
+    page = tables_ref[seq, jnp.minimum(block_start // page_size, width - 1)]
+
+    def at(ref):
+      return ref.at[layer, page, pl.ds(block_start % page_size, block_k), kv_head, :]
+    if not masked:
+      return _online(carry, query, pltriton.load(at(k_pages_ref)), pltriton.load(at(v_pages_ref)),
+                     sm_scale)
+    valid = block_start + jnp.arange(block_k) < end
+    keys, values = (pltriton.load(at(ref), mask=valid[:, None], other=0.0)
+                    for ref in (k_pages_ref, v_pages_ref))
+    return _online(carry, query, keys, values, sm_scale, valid[None, :])
+
+  carry = lax.fori_loop(0, count // block_k, functools.partial(block, masked=False), carry)
+  return lax.fori_loop(count // block_k, pl.cdiv(count, block_k),
+                       functools.partial(block, masked=True), carry)
+
+
 def _store(out_refs, carry, valid, stored, token_at, head_at, split_index) -> None:
   """A program's rows out: zeros for rows without a query token (not `valid`); with one split the
   normalised output [A, N, H], else the partials for `combine_splits` ([A, splits, N(, H)]).
@@ -245,27 +273,12 @@ def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, q_ref, k_new_ref
   query = pltriton.load(q_ref.at[token[:, None], head[:, None], dims[None, :]],
                         mask=(stored & active)[:, None], other=0.0)
   split_start = split_index * split
-  cached = jnp.maximum(jnp.minimum(position, split_start + split) - split_start, 0)
-
-  def block(block_index, carry, masked: bool):
-    block_start = split_start + block_index * block_k
-    page = tables_ref[seq, jnp.minimum(block_start // page_size, num_blocks_table - 1)]
-
-    def at(ref):
-      return ref.at[layer, page, pl.ds(block_start % page_size, block_k), kv_head, :]
-    if not masked:
-      return _online(carry, query, pltriton.load(at(k_pages_ref)), pltriton.load(at(v_pages_ref)),
-                     sm_scale)
-    valid = block_start + jnp.arange(block_k) < split_start + cached
-    keys, values = (pltriton.load(at(ref), mask=valid[:, None], other=0.0)
-                    for ref in (k_pages_ref, v_pages_ref))
-    return _online(carry, query, keys, values, sm_scale, valid[None, :])
-
   carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
-  carry = lax.fori_loop(0, cached // block_k, functools.partial(block, masked=False), carry)
-  acc, row_max, denom = lax.fori_loop(cached // block_k, pl.cdiv(cached, block_k),
-                                      functools.partial(block, masked=True), carry)
+  acc, row_max, denom = _cached_keys(carry, query, tables_ref, k_pages_ref, v_pages_ref, layer,
+                                     seq, kv_head, split_start,
+                                     jnp.minimum(position, split_start + split), block_k,
+                                     sm_scale)
 
   # The token's own key, in the split that holds its position: one key, elementwise.
   own = active & (position >= split_start) & (position < split_start + split)
@@ -354,36 +367,12 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   def online(carry, keys, values, visible=None):
     return _online(carry, query, keys, values, sm_scale, visible)
 
-  def page_block(block_start, masked: bool):
-    """Keys and values [block_k, H] of the cached block at `block_start` (a multiple of
-    block_k, a divisor of C: the block lies in one page) and its positions [block_k]."""
-    position = block_start + jnp.arange(block_k)
-    page = tables_ref[seq, jnp.minimum(block_start // page_size, num_blocks_table - 1)]
-    def at(ref):
-      return ref.at[layer, page, pl.ds(block_start % page_size, block_k), kv_head, :]
-    if masked:
-      valid = position < cached_end
-      keys, values = (pltriton.load(at(ref), mask=valid[:, None], other=0.0)
-                      for ref in (k_pages_ref, v_pages_ref))
-      return keys, values, valid[None, :]
-    return pltriton.load(at(k_pages_ref)), pltriton.load(at(v_pages_ref)), None
-
-  # Loop 1: the cached keys. Each is below every query position of the tile (no causal mask);
-  # whole blocks load unmasked, the last partial one masked.
-  def full_cached(block_index, carry):
-    keys, values, _ = page_block(split_start + block_index * block_k, masked=False)
-    return online(carry, keys, values)
-
-  def tail_cached(block_index, carry):
-    keys, values, visible = page_block(split_start + block_index * block_k, masked=True)
-    return online(carry, keys, values, visible)
-
-  cached = jnp.maximum(cached_end - split_start, 0)
-  initial = (jnp.zeros((tile_tokens * padded_group, head_dim), jnp.float32),
-             jnp.full((tile_tokens * padded_group,), -jnp.inf, jnp.float32),
-             jnp.zeros((tile_tokens * padded_group,), jnp.float32))
-  carry = lax.fori_loop(0, cached // block_k, full_cached, initial)
-  carry = lax.fori_loop(cached // block_k, pl.cdiv(cached, block_k), tail_cached, carry)
+  # Loop 1: the cached keys. Each is below every query position of the tile (no causal mask).
+  rows = tile_tokens * padded_group
+  initial = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+  carry = _cached_keys(initial, query, tables_ref, k_pages_ref, v_pages_ref, layer, seq,
+                       kv_head, split_start, cached_end, block_k, sm_scale)
 
   # Loop 2: the call's own keys, from k_new / v_new. Keys below the tile's first position are
   # seen by every row (interior blocks: contiguous token windows, unmasked); the blocks from
