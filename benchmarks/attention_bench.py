@@ -49,8 +49,9 @@ DECODE_CONFIGS = tuple(
     for block_k in (64, 128) for split in (512, 1024, 2048) for warps, stages in ((4, 2), (8, 3))
     if split >= block_k)
 PREFILL_CONFIGS = tuple(
-    FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=warps)
-    for block_q, block_k in ((64, 64), (128, 64), (64, 128), (128, 128)) for warps in (4, 8))
+    FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=warps, num_stages=stages)
+    for block_q, block_k in ((64, 64), (128, 64), (64, 128), (128, 128)) for warps in (4, 8)
+    for stages in (2, 3))
 # The decode step's cache write + attention, with the split pinned (min_programs=0).
 STEP_CONFIGS = tuple(
     DecodeAttentionConfig(block_k=64, split_size=split, min_programs=0, num_warps=warps,
@@ -237,6 +238,8 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
       q, k, v, lengths = _random_inputs(seq + head_dim, (batch, seq, heads, head_dim),
                                         (batch, seq, kv_heads, head_dim), batch, seq)
       reference = jax.jit(flash_attention_reference)
+      default_us = _median_us(jax.jit(functools.partial(flash_attention, interpret=INTERPRET)),
+                              q, k, v, lengths)
       error = relative_error(flash_attention(q, k, v, lengths, interpret=INTERPRET),
                               reference(q, k, v, lengths))
       flops = 4 * batch * heads * seq * seq * head_dim / 2  # causal half
@@ -246,7 +249,7 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
           _median_us, q, k, v, lengths)
       row = dict(kernel="flash_attention", batch=batch, seq_len=seq, heads=heads,
                  kv_heads=kv_heads, head_dim=head_dim, rel_error_vs_xla=error,
-                 pallas_us=us, pallas_config=dataclasses.asdict(config),
+                 pallas_us=us, pallas_config=dataclasses.asdict(config), default_us=default_us,
                  xla_us=_median_us(reference, q, k, v, lengths))
 
       def torch_sdpa():
@@ -387,9 +390,9 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
 
 
 def mosaic_probe_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
-  """The Mosaic GPU backend on the same prefill shapes: jax's bundled FlashAttention-3 example
-  kernel (jax.experimental.pallas.ops.gpu.attention_mgpu, float16, causal, no padding lengths),
-  timed here only to choose a backend by measurement; cg_jax does not depend on it."""
+  """The Mosaic GPU backend on the same prefill shapes: jax's bundled FlashAttention-3 kernel
+  (jax.experimental.pallas.ops.gpu.attention_mgpu, bfloat16, causal, no padding lengths) over a
+  block search, and its error on right-padded rows (valid queries only) against the reference."""
   try:
     from jax.experimental.pallas.ops.gpu import attention_mgpu
   except ImportError as err:
@@ -399,31 +402,40 @@ def mosaic_probe_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 12
     for seq in seq_lens:
       q, k, v, lengths = _random_inputs(seq + head_dim, (batch, seq, heads, head_dim),
                                         (batch, seq, kv_heads, head_dim), batch, seq)
-      q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
       row = dict(kernel="mosaic_gpu_fa3_probe", batch=batch, seq_len=seq, heads=heads,
-                 kv_heads=kv_heads, head_dim=head_dim, dtype="float16")
+                 kv_heads=kv_heads, head_dim=head_dim, dtype="bfloat16")
       best = None
-      for block_kv in (64, 128, 256):
+      for block_q, block_kv, steps in itertools.product((64, 128), (64, 128, 256), (2, 4)):
+        if seq % (2 * block_q) or seq % block_kv:
+          continue
         try:
-          config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv,
-                                               max_concurrent_steps=2, causal=True)
+          config = attention_mgpu.TuningConfig(block_q=block_q, block_kv=block_kv,
+                                               max_concurrent_steps=steps, causal=True)
           fn = jax.jit(functools.partial(attention_mgpu.attention, config=config))
           us = _median_us(fn, q, k, v)
         except Exception as err:  # shared-memory limits, unsupported shapes: record and go on
-          row.setdefault("errors", []).append(f"block_kv={block_kv}: {type(err).__name__}: "
-                                              f"{str(err)[:200]}")
+          row.setdefault("errors", []).append(f"{block_q}/{block_kv}/{steps}: "
+                                              f"{type(err).__name__}: {str(err)[:160]}")
           continue
         if best is None or us < best[0]:
-          best = (us, block_kv, fn)
+          best = (us, dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps), fn)
       if best is not None:
         reference = jax.jit(flash_attention_reference)
-        row.update(mosaic_us=best[0], mosaic_block_kv=best[1],
-                   rel_error_vs_xla=relative_error(best[2](q, k, v),
-                                                    reference(q, k, v, lengths)),
+        # Right-padded rows: causal attention never lets a valid query see a padding key.
+        padded = jnp.array([seq, seq - 1, seq // 2 + 3, 1][:batch], jnp.int32)
+        want = reference(q, k, v, padded)
+        got = best[2](q, k, v)
+        valid = (jnp.arange(seq)[None, :] < padded[:, None])[:, :, None, None]
+        padded_error = float(jnp.max(jnp.where(valid, jnp.abs(got.astype(jnp.float32)
+                                                              - want.astype(jnp.float32)), 0))
+                             / jnp.max(jnp.abs(want.astype(jnp.float32))))
+        row.update(mosaic_us=best[0], mosaic_config=best[1],
+                   rel_error_vs_xla=relative_error(got, reference(q, k, v, lengths)),
+                   padded_rel_error=padded_error,
                    mosaic_tflops=4 * batch * heads * seq * seq * head_dim / 2 / best[0] / 1e6)
       rows.append(row)
       print(f"mosaic probe D={head_dim} S={seq}: {row.get('mosaic_us', float('nan')):8.1f} us "
-            f"{row.get('errors', '')}", flush=True)
+            f"{row.get('mosaic_config')} {row.get('errors', '')}", flush=True)
   return rows
 
 
@@ -435,6 +447,7 @@ def main():
   parser.add_argument("--step-position", type=int, default=512,
                       help="decode-step: the new token's position in every row (its length - 1)")
   parser.add_argument("--seq-lens", default="512,2048")
+  parser.add_argument("--head-dims", default="64,128", help="prefill, mosaic-probe: D")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in the interpreter (CPU)")
   parser.add_argument("--parts", default="decode,prefill",
                       help="comma list of decode, decode-step, prefill, paged, mosaic-probe "
@@ -462,6 +475,7 @@ def main():
   meta = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, commit=commit,
               date=datetime.date.today().isoformat(), dtype="bfloat16")
   parts = args.parts.split(",")
+  head_dims = tuple(int(d) for d in args.head_dims.split(","))
   rows = []
   if "decode" in parts:
     rows += decode_rows([int(b) for b in args.batches.split(",")],
@@ -472,7 +486,7 @@ def main():
                                [int(b) for b in args.batches.split(",")], cache_len,
                                min(args.step_position, cache_len - 1))
   if "prefill" in parts:
-    rows += prefill_rows([int(s) for s in args.seq_lens.split(",")])
+    rows += prefill_rows([int(s) for s in args.seq_lens.split(",")], head_dims=head_dims)
   if "paged" in parts:
     page_sizes = [int(c) for c in args.page_sizes.split(",")]
     cache_len = int(args.cache_lens.split(",")[0])
@@ -481,7 +495,7 @@ def main():
                               min(args.step_position, cache_len - 1), page_sizes)
     rows += paged_prefill_rows([int(s) for s in args.paged_seq_lens.split(",")], page_sizes[-1])
   if "mosaic-probe" in parts:
-    rows += mosaic_probe_rows([int(s) for s in args.seq_lens.split(",")])
+    rows += mosaic_probe_rows([int(s) for s in args.seq_lens.split(",")], head_dims=head_dims)
   rows = [dict(meta, **r) for r in rows]
   write_rows(args.out, "attention_rows.json", rows)
   print("\nkernel           shape                pallas_us   xla_us  torch_us  share_of_ceiling")
@@ -503,7 +517,9 @@ def main():
       continue
     if r["kernel"] == "mosaic_gpu_fa3_probe":
       print(f"{r['kernel']:16s} D={r.get('head_dim')} S={r.get('seq_len')} "
-            f"{r.get('mosaic_us', float('nan')):9.1f} us")
+            f"{r.get('mosaic_us', float('nan')):9.1f} us  {r.get('mosaic_config')} err "
+            f"{r.get('rel_error_vs_xla', float('nan')):.1e} padded "
+            f"{r.get('padded_rel_error', float('nan')):.1e}")
       continue
     shape = (f"B={r['batch']} T={r['cache_len']}" if r["kernel"] == "decode_attention"
              else f"D={r['head_dim']} S={r['seq_len']}")
