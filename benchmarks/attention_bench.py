@@ -1,16 +1,17 @@
 """Pallas attention kernels on the GPU: correctness against the jnp reference, and speed against
 the XLA path and PyTorch `scaled_dot_product_attention` on the same inputs.
 
-Decode attention (B x T grid, Llama-3.2-1B heads: 32 query / 8 KV heads, D=64, bfloat16, every
-row full): achieved bandwidth = valid K/V bytes / time, against the 4.2 TB/s copy bandwidth.
-Prefill flash attention (S in 512, 2048, causal): TFLOP/s against the ~790 TFLOP/s bf16 matmul
-ceiling. Decode step (`--parts decode-step`): the cache write + attention kernel over every
-layer of each model's stacked cache at the decode step's shapes (cache 1024, position 512), the
-default launch config against pinned splits and warp counts, per layer in-graph. Paged
-(`--parts paged`): the ragged paged-attention kernel on a paged cache (random block tables)
-against the slot cache's decode kernel at the decode step's shapes, and against the flash kernel
-and SDPA on fresh prompts (its time includes writing the prompt's keys and values into pages).
-Medians over repeats, compile time excluded. One process, rows to JSON, table last.
+Prefill flash attention (S in 512, 2048, causal; Llama-3.2-1B heads: 32 query / 8 KV heads,
+bfloat16): TFLOP/s against the ~790 TFLOP/s bf16 matmul ceiling. Paged (`--parts paged`): the
+ragged paged-attention kernel on a paged cache (random block tables) at the decode step's shapes
+(every layer of each model's cache, cache 1024, position 512, per layer in-graph: achieved
+bandwidth = valid K/V bytes / time, against the 4.2 TB/s copy bandwidth), the default launch
+config against pinned splits and warp counts; and against the flash kernel and SDPA on fresh
+prompts (its time includes writing the prompt's keys and values into pages). Medians over
+repeats, compile time excluded. One process, rows to JSON, table last.
+
+The slot-cache decode kernel's parts (`decode`, `decode-step`) were removed with the kernel;
+their rows stay in benchmarks/results (attention_h200.json, attention_step_h200.json).
 
   PYTHONPATH=$PWD python3 benchmarks/attention_bench.py --out $OUT
 """
@@ -32,9 +33,6 @@ from bench_util import HBM_BYTES_PER_S, fastest, median_call_us, relative_error,
 
 from cg_jax.bench.rows import git_commit
 from cg_jax.core.graphs import compiler_options
-from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
-                                             decode_attention_reference,
-                                             decode_attention_with_write, split_layout)
 from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attention,
                                             flash_attention_reference)
 from cg_jax.kernels.ragged_paged_attention import (RaggedPagedAttentionConfig,
@@ -44,19 +42,10 @@ from models.config import PRESETS
 
 BF16_FLOPS = 790e12
 # Launch settings searched per shape (the best is reported with its config).
-DECODE_CONFIGS = tuple(
-    DecodeAttentionConfig(block_k=block_k, split_size=split, num_warps=warps, num_stages=stages)
-    for block_k in (64, 128) for split in (512, 1024, 2048) for warps, stages in ((4, 2), (8, 3))
-    if split >= block_k)
 PREFILL_CONFIGS = tuple(
     FlashAttentionConfig(block_q=block_q, block_k=block_k, num_warps=warps, num_stages=stages)
     for block_q, block_k in ((64, 64), (128, 64), (64, 128), (128, 128)) for warps in (4, 8)
     for stages in (2, 3))
-# The decode step's cache write + attention, with the split pinned (min_programs=0).
-STEP_CONFIGS = tuple(
-    DecodeAttentionConfig(block_k=64, split_size=split, min_programs=0, num_warps=warps,
-                          num_stages=stages)
-    for split in (64, 128, 256, 512) for warps, stages in ((4, 2), (8, 2), (2, 1)))
 # The ragged paged kernel: the default, then pinned splits and warps (decode); tiles (prefill).
 PAGED_DECODE_CONFIGS = (RaggedPagedAttentionConfig(),) + tuple(
     RaggedPagedAttentionConfig(split_size=split, min_programs=0, num_warps=warps,
@@ -113,42 +102,6 @@ def _random_inputs(seed: int, q_shape, kv_shape, batch: int, length: int):
   return q, k, v, jnp.full((batch,), length, jnp.int32)
 
 
-def decode_rows(batches, cache_lens, heads=32, kv_heads=8, head_dim=64):
-  rows = []
-  for batch in batches:
-    for cache_len in cache_lens:
-      q, k, v, lengths = _random_inputs(batch * cache_len, (batch, heads, head_dim),
-                                        (batch, cache_len, kv_heads, head_dim), batch, cache_len)
-      reference = jax.jit(decode_attention_reference)
-      error = relative_error(decode_attention(q, k, v, lengths, interpret=INTERPRET),
-                              reference(q, k, v, lengths))
-      valid_bytes = 2 * batch * cache_len * kv_heads * head_dim * 2
-      row = dict(kernel="decode_attention", batch=batch, cache_len=cache_len, heads=heads,
-                 kv_heads=kv_heads, head_dim=head_dim, rel_error_vs_xla=error,
-                 floor_us=valid_bytes / HBM_BYTES_PER_S * 1e6)
-      us, config, _ = fastest(
-          ((config, jax.jit(functools.partial(decode_attention, config=config,
-                                              interpret=INTERPRET))) for config in DECODE_CONFIGS),
-          _median_us, q, k, v, lengths)
-      row["pallas_us"], row["pallas_config"] = us, dataclasses.asdict(config)
-      row["xla_us"] = _median_us(reference, q, k, v, lengths)
-
-      def torch_sdpa():
-        import torch
-        tq = _to_torch(q)[:, :, None, :]  # [B, Hq, 1, D]
-        tk = _to_torch(k).transpose(1, 2)  # [B, Hkv, T, D]
-        tv = _to_torch(v).transpose(1, 2)
-        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-
-      row["torch_sdpa_us"] = _torch_us(torch_sdpa)
-      row["pallas_bandwidth_share"] = row["floor_us"] / row["pallas_us"]
-      rows.append(row)
-      print(f"decode B={batch:<3d} T={cache_len:<6d} pallas {row['pallas_us']:8.1f} us "
-            f"({100 * row['pallas_bandwidth_share']:5.1f}% of HBM) xla {row['xla_us']:8.1f} "
-            f"torch {row['torch_sdpa_us'] or float('nan'):8.1f} err {error:.1e}", flush=True)
-  return rows
-
-
 def layers_us(attend, inputs, layers: int, calls: int = 10, rounds: int = 5) -> float:
   """Per-layer time of `attend(q, k_new, v_new, k_cache, v_cache, *rest, layer=l)` -> (out,
   k_cache, v_cache) over `layers` layers back to back in one executable (graph mode `full`, the
@@ -175,60 +128,6 @@ def layers_us(attend, inputs, layers: int, calls: int = 10, rounds: int = 5) -> 
     jax.block_until_ready(total)
     times.append((time.perf_counter() - start) / (1 if INTERPRET else calls))
   return statistics.median(times) * 1e6 / layers
-
-
-def decode_step_us(config: DecodeAttentionConfig, inputs) -> float:
-  """`layers_us` of the slot cache's decode kernel with its cache write."""
-  return layers_us(functools.partial(decode_attention_with_write, config=config,
-                                     interpret=INTERPRET), inputs, inputs[3].shape[0])
-
-
-def _slot_step_inputs(c, batch: int, cache_len: int, position: int):
-  """A function returning the decode step's inputs at a model's heads (random bfloat16, every
-  row at `position`) with fresh stacked caches [L, B, T, K, H]: each timing donates its own."""
-  keys = jax.random.split(jax.random.key(batch), 5)
-  q = jax.random.normal(keys[0], (batch, c.num_heads, c.head_dim), jnp.bfloat16)
-  k_new, v_new = (jax.random.normal(key, (batch, c.num_kv_heads, c.head_dim), jnp.bfloat16)
-                  for key in keys[1:3])
-  cache_shape = (c.num_layers, batch, cache_len, c.num_kv_heads, c.head_dim)
-  lengths = jnp.full((batch,), position + 1, jnp.int32)
-
-  def inputs():
-    return (q, k_new, v_new, jax.random.normal(keys[3], cache_shape, jnp.bfloat16),
-            jax.random.normal(keys[4], cache_shape, jnp.bfloat16), lengths)
-  return inputs
-
-
-def decode_step_rows(models, batches, cache_len: int, position: int):
-  """The decode step's attention (with the cache write) at each model's heads over its layers:
-  the default launch config against pinned splits and warp counts; bytes = valid K/V read."""
-  rows = []
-  for model in models:
-    c = PRESETS[model]
-    for batch in batches:
-      inputs = _slot_step_inputs(c, batch, cache_len, position)
-      valid_bytes = 2 * batch * (position + 1) * c.num_kv_heads * c.head_dim * 2
-      floor = valid_bytes / HBM_BYTES_PER_S * 1e6
-      default = DecodeAttentionConfig()
-      default_us = decode_step_us(default, inputs())
-      timed = [(decode_step_us(config, inputs()), config) for config in STEP_CONFIGS]
-      best_us, best = min(timed, key=lambda t: t[0])
-      split, splits = split_layout(batch, c.num_kv_heads, cache_len, default)
-      rows.append(dict(kernel="decode_attention_with_write", model=model, batch=batch,
-                       cache_len=cache_len, length=position + 1, heads=c.num_heads,
-                       kv_heads=c.num_kv_heads, head_dim=c.head_dim, layers=c.num_layers,
-                       floor_us=floor, default_us=default_us, default_split=split,
-                       default_splits=splits, pallas_us=best_us,
-                       pallas_config=dataclasses.asdict(best),
-                       pallas_bandwidth_share=floor / best_us,
-                       all_us={f"split{c.split_size}_w{c.num_warps}_s{c.num_stages}": us
-                               for us, c in timed}))
-      print(f"decode step {model:13s} B={batch:<3d} T={cache_len} len={position + 1}: default "
-            f"{default_us:6.1f} us/layer (split {split} x{splits}), best {best_us:6.1f} "
-            f"(split {best.split_size}, "
-            f"{best.num_warps} warps, {best.num_stages} stages), floor "
-            f"{floor:5.1f} ({100 * floor / best_us:4.1f}% of HBM)", flush=True)
-  return rows
 
 
 def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
@@ -308,14 +207,12 @@ def _paged_error(inputs, config, decode_only: bool = False) -> float:
 
 
 def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes):
-  """Decode rows (one token each at `position`) of the ragged paged kernel against the slot
-  cache's decode kernel (its default config) at each model's heads over its layers."""
+  """Decode rows (one token each at `position`) of the ragged paged kernel at each model's
+  heads over its layers."""
   rows = []
   for model in models:
     c = PRESETS[model]
     for batch in batches:
-      slot_us = decode_step_us(DecodeAttentionConfig(),
-                               _slot_step_inputs(c, batch, cache_len, position)())
       floor = 2 * batch * (position + 1) * c.num_kv_heads * c.head_dim * 2 / HBM_BYTES_PER_S * 1e6
       for page_size in page_sizes:
         inputs = _paged_inputs(batch, c.num_layers, [1] * batch, [position + 1] * batch,
@@ -331,7 +228,7 @@ def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes
         row = dict(kernel="ragged_paged_attention", phase="decode", model=model, batch=batch,
                    cache_len=cache_len, length=position + 1, page_size=page_size,
                    heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                   layers=c.num_layers, floor_us=floor, slot_decode_us=slot_us,
+                   layers=c.num_layers, floor_us=floor,
                    decode_only=True, general_default_us=general_us,
                    default_us=default_us, pallas_us=best_us, pallas_config=dataclasses.asdict(best),
                    all_us={f"s{c.split_size}_m{c.min_programs}_w{c.num_warps}_st{c.num_stages}":
@@ -341,7 +238,6 @@ def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes
         rows.append(row)
         print(f"paged decode {model:13s} B={batch:<3d} C={page_size:<3d} default "
               f"{default_us:6.1f} best {best_us:6.1f} us/layer (general {general_us:6.1f}), "
-              f"slot kernel {slot_us:6.1f}, "
               f"floor {floor:5.1f}, err {row['rel_error_vs_xla']:.1e}", flush=True)
   return rows
 
@@ -442,30 +338,27 @@ def mosaic_probe_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 12
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-  parser.add_argument("--batches", default="1,8,32")
-  parser.add_argument("--cache-lens", default="1024,4096,16384")
+  parser.add_argument("--batches", default="1,8,32", help="paged: decode batch sizes")
+  parser.add_argument("--cache-lens", default="1024",
+                      help="paged: the decode rows' cache length (the first of the list)")
   parser.add_argument("--step-position", type=int, default=512,
-                      help="decode-step: the new token's position in every row (its length - 1)")
+                      help="paged: the decode rows' new token position (its length - 1)")
   parser.add_argument("--seq-lens", default="512,2048")
   parser.add_argument("--head-dims", default="64,128", help="prefill, mosaic-probe: D")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in the interpreter (CPU)")
-  parser.add_argument("--parts", default="decode,prefill",
-                      help="comma list of decode, decode-step, prefill, paged, mosaic-probe "
-                           "(GPU only)")
+  parser.add_argument("--parts", default="prefill",
+                      help="comma list of prefill, paged, mosaic-probe (GPU only)")
   parser.add_argument("--page-sizes", default="16,64", help="paged: decode page sizes C")
   parser.add_argument("--paged-seq-lens", default="512,2048,4096",
                       help="paged: prompt lengths (page size the last of --page-sizes)")
   parser.add_argument("--step-models", default="gpt2,gpt2-large,llama-3.2-1b",
-                      help="decode-step: model shapes (heads, layers)")
+                      help="paged: the decode rows' model shapes (heads, layers)")
   args = parser.parse_args()
   if args.smoke:
     global INTERPRET
     INTERPRET = True
-    global DECODE_CONFIGS, PREFILL_CONFIGS
-    global STEP_CONFIGS
-    DECODE_CONFIGS, PREFILL_CONFIGS = DECODE_CONFIGS[:2], PREFILL_CONFIGS[:1]
-    global PAGED_DECODE_CONFIGS, PAGED_PREFILL_CONFIGS
-    STEP_CONFIGS = STEP_CONFIGS[:2]
+    global PREFILL_CONFIGS, PAGED_DECODE_CONFIGS, PAGED_PREFILL_CONFIGS
+    PREFILL_CONFIGS = PREFILL_CONFIGS[:1]
     PAGED_DECODE_CONFIGS = PAGED_DECODE_CONFIGS[:2]
     PAGED_PREFILL_CONFIGS = PAGED_PREFILL_CONFIGS[:1]
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
@@ -477,14 +370,9 @@ def main():
   parts = args.parts.split(",")
   head_dims = tuple(int(d) for d in args.head_dims.split(","))
   rows = []
-  if "decode" in parts:
-    rows += decode_rows([int(b) for b in args.batches.split(",")],
-                        [int(t) for t in args.cache_lens.split(",")])
-  if "decode-step" in parts:
-    for cache_len in [int(t) for t in args.cache_lens.split(",")]:
-      rows += decode_step_rows(args.step_models.split(","),
-                               [int(b) for b in args.batches.split(",")], cache_len,
-                               min(args.step_position, cache_len - 1))
+  removed = sorted({"decode", "decode-step"} & set(parts))
+  if removed:
+    parser.error(f"--parts {','.join(removed)}: removed with the slot-cache decode kernel")
   if "prefill" in parts:
     rows += prefill_rows([int(s) for s in args.seq_lens.split(",")], head_dims=head_dims)
   if "paged" in parts:
@@ -500,15 +388,10 @@ def main():
   write_rows(args.out, "attention_rows.json", rows)
   print("\nkernel           shape                pallas_us   xla_us  torch_us  share_of_ceiling")
   for r in rows:
-    if r["kernel"] == "decode_attention_with_write":
-      print(f"decode step      {r['model']} B={r['batch']} T={r['cache_len']}  default "
-            f"{r['default_us']:7.1f} best {r['pallas_us']:7.1f} us/layer  floor "
-            f"{r['floor_us']:5.1f} {r['pallas_bandwidth_share']:6.2f}")
-      continue
     if r["kernel"] == "ragged_paged_attention" and r["phase"] == "decode":
       print(f"paged decode     {r['model']} B={r['batch']} C={r['page_size']}  default "
-            f"{r['default_us']:7.1f} best {r['pallas_us']:7.1f} us/layer  slot kernel "
-            f"{r['slot_decode_us']:7.1f}  floor {r['floor_us']:5.1f}")
+            f"{r['default_us']:7.1f} best {r['pallas_us']:7.1f} us/layer  floor "
+            f"{r['floor_us']:5.1f} {r['pallas_bandwidth_share']:6.2f}")
       continue
     if r["kernel"] == "ragged_paged_attention":
       print(f"paged prefill    S={r['seq_len']} C={r['page_size']}  {r['pallas_us']:9.1f} us  "
@@ -521,11 +404,9 @@ def main():
             f"{r.get('rel_error_vs_xla', float('nan')):.1e} padded "
             f"{r.get('padded_rel_error', float('nan')):.1e}")
       continue
-    shape = (f"B={r['batch']} T={r['cache_len']}" if r["kernel"] == "decode_attention"
-             else f"D={r['head_dim']} S={r['seq_len']}")
-    share = r.get("pallas_bandwidth_share", r.get("pallas_share_of_ceiling"))
+    shape = f"D={r['head_dim']} S={r['seq_len']}"
     print(f"{r['kernel']:16s} {shape:20s} {r['pallas_us']:9.1f} {r['xla_us']:8.1f} "
-          f"{r['torch_sdpa_us'] or float('nan'):9.1f} {share:8.2f}")
+          f"{r['torch_sdpa_us'] or float('nan'):9.1f} {r['pallas_share_of_ceiling']:8.2f}")
 
 
 if __name__ == "__main__":

@@ -74,8 +74,8 @@ class Engine:
     **options: its keyword options, with the platform's defaults for those left out (see
       `EngineConfig.create` and `ForwardConfig.create`): max_seq_len, batch_buckets,
       prompt_buckets, graphs, readback_lag, prefill_gemm, tensor_parallel, batch_invariant,
-      compiler_options, attention, layer_loop, min_matmul_rows, cache_write, decode_attention
-      (a `DecodeAttentionConfig`), prefill_attention (a `FlashAttentionConfig`).
+      compiler_options, attention, layer_loop, min_matmul_rows, prefill_attention (a
+      `FlashAttentionConfig`).
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off. The compiled executables are stored there too, serialized: a
       second engine of the same build and configuration starts without compiling.

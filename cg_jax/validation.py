@@ -58,6 +58,10 @@ FOREIGN_NAMES = {
     "device_loop": "removed: it was slower than the pipelined host loop (each decode step is "
                    "one CUDA graph launched ahead; benchmarks/results/device_loop_h200.md)",
     "decode_loop_steps": "removed with the device loop (benchmarks/results/device_loop_h200.md)",
+    "cache_write": "removed with the slot-cache decode kernel: the paged kernel writes the new "
+                   "keys and values itself",
+    "decode_attention": "removed with the slot-cache decode kernel (the paged kernel serves "
+                        "decode steps)",
 }
 
 

@@ -11,9 +11,9 @@
 # %% [markdown]
 # # Pallas attention kernels
 #
-# `flash_attention` (prefill) and `decode_attention` (split-K flash-decoding) against float64
-# references, then speed from the committed GPU results when they exist. On a CPU the kernels
-# run in the Pallas interpreter (same kernel code, no Triton).
+# `flash_attention` (prefill) and `ragged_paged_attention` (here a decode step over a paged KV
+# cache, split-K) against float64 references, then speed from the committed GPU results when
+# they exist. On a CPU the kernels run in the Pallas interpreter (same kernel code, no Triton).
 
 # %%
 import glob
@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from cg_jax.kernels.decode_attention import DecodeAttentionConfig, decode_attention
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
+from cg_jax.kernels.ragged_paged_attention import (RaggedPagedAttentionConfig,
+                                                   ragged_paged_attention)
 
 ROOT = next(p for p in (".", "..") if os.path.isdir(os.path.join(p, "benchmarks")))  # repo root
 interpret = jax.default_backend() != "gpu"
@@ -57,13 +58,20 @@ for dtype in ("float32", "bfloat16"):
   out = flash_attention(q, k, v, lengths, config=FlashAttentionConfig(16, 16), interpret=interpret)
   ref = reference(q, k, v, causal)
   errors[("flash", dtype)] = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
-  cache_k = jnp.asarray(rng.standard_normal((2, 100, 2, 64)), dtype)
-  cache_v = jnp.asarray(rng.standard_normal((2, 100, 2, 64)), dtype)
+  # A decode step: row b's keys at positions 0..lengths[b] - 1, the last one the new token's,
+  # in pages of 16 positions (row 0 owns pages 0..6, row 1 pages 7..13).
+  keys = jnp.asarray(rng.standard_normal((2, 112, 2, 64)), dtype)
+  values = jnp.asarray(rng.standard_normal((2, 112, 2, 64)), dtype)
   lengths = jnp.asarray([100, 37], jnp.int32)
-  out = decode_attention(q[:, 0], cache_k, cache_v, lengths,
-                         config=DecodeAttentionConfig(block_k=16, split_size=32), interpret=interpret)
-  mask = (np.arange(100)[None, :] < np.asarray(lengths)[:, None])[:, None, :]
-  ref = reference(q[:, :1], cache_k, cache_v, mask)[:, 0]
+  rows, last = jnp.arange(2), lengths - 1
+  k_pages, v_pages = (x.reshape(1, 14, 16, 2, 64) for x in (keys, values))
+  out, _, _ = ragged_paged_attention(
+      q[:, 0], keys[rows, last], values[rows, last], k_pages, v_pages, jnp.int32(0),
+      jnp.arange(14, dtype=jnp.int32).reshape(2, 7), lengths, jnp.arange(3, dtype=jnp.int32),
+      jnp.ones(2, jnp.int32), config=RaggedPagedAttentionConfig(block_k=16, split_size=32),
+      decode_only=True, interpret=interpret)
+  mask = (np.arange(112)[None, :] < np.asarray(lengths)[:, None])[:, None, :]
+  ref = reference(q[:, :1], keys, values, mask)[:, 0]
   errors[("decode", dtype)] = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
 for key, value in errors.items():
   print(key, f"{value:.2e}")
@@ -78,16 +86,16 @@ plt.show()
 # %% [markdown]
 # ## Speed (committed GPU results)
 # `benchmarks/attention_bench.py` writes `attention_rows.json`; once it is committed under
-# `benchmarks/results/`, this cell plots the kernels against XLA and torch SDPA.
+# `benchmarks/results/`, this cell plots the flash kernel (prefill) against XLA and torch SDPA.
 
 # %%
 found = sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/attention*.json")))
-if not found:
+rows = [r for path in found for r in json.load(open(path)) if r["kernel"] == "flash_attention"]
+if not rows:
   print("no committed GPU attention results yet")
 else:
-  rows = [r for r in json.load(open(found[-1])) if r["kernel"] == "decode_attention"]
   fig, ax = plt.subplots(figsize=(7, 3))
-  labels = [f"B={r['batch']}\nT={r['cache_len']}" for r in rows]
+  labels = [f"B={r['batch']}\nS={r['seq_len']}" for r in rows]
   for offset, key in enumerate(("pallas_us", "xla_us", "torch_sdpa_us")):
     ax.bar([i + 0.27 * offset for i in range(len(rows))], [r[key] or 0 for r in rows], 0.27,
            label=key)

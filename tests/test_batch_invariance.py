@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from cg_jax.core.attention import paged_for_forward
-from cg_jax import DecodeAttentionConfig, Engine, EngineConfig
-from cg_jax.kernels.decode_attention import split_layout
+from cg_jax import Engine, EngineConfig
+from cg_jax.kernels.ragged_paged_attention import RaggedPagedAttentionConfig, split_layout
 from models import preset
 
 OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 4, 16), prompt_buckets=(16,), prefix_block=8,
@@ -43,16 +43,15 @@ def test_the_configuration_fixes_every_shape():
   assert config.forward.min_matmul_rows == 16 and config.forward.batch_invariant
   gpu_like = EngineConfig.create(preset("tiny-llama"), attention="pallas",
                                  **{**OPTIONS, "prefix_block": 16})
-  assert gpu_like.forward.decode_attention.min_programs == 0
-  # The paged kernel's too: its splits fixed by the block table, not the number of tiles.
+  # The paged kernel's splits: fixed by the block table's width, not the number of tiles (the
+  # default config's follow the batch).
   paged = paged_for_forward(gpu_like.forward)
   assert paged.config.min_programs == paged.prefill_config.min_programs == 0
+  fixed, default = paged.config, RaggedPagedAttentionConfig()
+  assert len({split_layout(tiles, 8, 4096, fixed, 64) for tiles in (1, 8, 32)}) == 1
+  assert len({split_layout(tiles, 8, 4096, default, 64) for tiles in (1, 8, 32)}) > 1
   assert EngineConfig.create(preset("tiny-llama"), batch_invariant=True,
                              max_seq_len=512).buckets.prompt_lengths == (256,)
-  # The decode kernel's split count: fixed by the cache length, not the batch.
-  fixed = gpu_like.forward.decode_attention
-  assert len({split_layout(batch, 8, 4096, fixed) for batch in (1, 8, 32)}) == 1
-  assert len({split_layout(batch, 8, 4096, DecodeAttentionConfig()) for batch in (1, 8, 32)}) > 1
 
 
 def _projection_shapes(engine, batch: int) -> set[str]:
@@ -102,9 +101,6 @@ def test_a_prefix_cache_hit_gives_the_same_logprobs(engine, alone, shared, used)
     (dict(prompt_buckets=(16, 32)), r"chunks of one prompt bucket, got prompt_buckets=\(16, 32\)"),
     (dict(batch_buckets=(2, 16)), "batch_buckets must include 1"),
     (dict(prompt_buckets=(20,)), r"prefix_block \(8\) to divide the prompt bucket \(20\)"),
-    (dict(attention="pallas", decode_attention=DecodeAttentionConfig(min_programs=64),
-          prefix_block=16),
-     r"DecodeAttentionConfig\(min_programs=0\)"),
     (dict(batch_buckets=(1, 128), max_seq_len=64), "at most 64"),
 ])
 def test_settings_that_would_break_it_are_refused(options, match):

@@ -311,7 +311,6 @@ def test_kv_cache_too_large_fails_at_construction():
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(min_matmul_rows=0), r"min_matmul_rows must be an int in \[1, 64\], got 0"),
     (dict(min_matmul_rows=2.0), "min_matmul_rows must be an int"),
-    (dict(cache_write="inplace"), r"cache_write must be one of \('fused', 'scatter'\), got 'inplace'"),
     (dict(readback_lag=9), r"readback_lag must be an int in \[0, 8\], got 9"),
     (dict(graphs="all"), r"graphs must be one of \('off', 'xla-default', 'full'\), got 'all'"),
 ])
@@ -338,6 +337,8 @@ def test_padded_matmul_rows_give_the_same_tokens(engine):
     (dict(max_model_len=64), r"'max_model_len' \(use max_seq_len\)"),
     (dict(torch_dtype="bfloat16"), r"'torch_dtype' \(use dtype\)"),
     (dict(decode_loop_steps=4), r"'decode_loop_steps' \(removed with the device loop"),
+    (dict(cache_write="fused"), r"'cache_write' \(removed with the slot-cache decode kernel"),
+    (dict(decode_attention=None), r"'decode_attention' \(removed with the slot-cache decode"),
 ])
 def test_unknown_engine_options_are_named(options, match):
   with pytest.raises(TypeError, match=match):

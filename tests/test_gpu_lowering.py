@@ -17,7 +17,6 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   engine = Engine.from_pretrained(preset, dtype="bfloat16", batch_buckets=(1, 4),
                                   prompt_buckets=(16,), max_seq_len=128, attention="pallas",
                                   layer_loop="unroll")
-  assert engine.stats()["cache_write"] == "fused"
   layers = engine.model_config.num_layers
   fn, args, donate, _, _ = engine.executables.signature(("decode", 4, True))
   text = lower_for_h200(fn, *args, donate_argnums=donate)

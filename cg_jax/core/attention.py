@@ -1,12 +1,10 @@
 """The attention implementations the runtime hands the model (`models.attention` has the method
 contract and the plain-XLA reference).
 
-  PallasAttention  the fused kernels of `cg_jax.kernels`: flash attention for prompts; for decode
-                   the split-K kernel, which with `cache_write="fused"` and a static layer also
-                   stores the new key and value in place (one kernel per layer, no scatters).
-                   Prompt chunks at a cache offset (`extend`) run as XLA ops.
-                   Under tensor parallelism each kernel runs per device on its heads
-                   (`shard_map`: a Pallas call is opaque to XLA's SPMD partitioner).
+  PallasAttention  the cache-free `causal` attention of fresh prompts as the Pallas flash kernel,
+                   per device on its heads under tensor parallelism (`shard_map`: a Pallas call
+                   is opaque to XLA's SPMD partitioner); the slot-cache methods are
+                   `XlaAttention`'s (its prefill attends through this `causal`).
   RealRows         decode over the first `rows` rows of a step whose hidden state is padded to
                    more rows (`ForwardConfig.min_matmul_rows`): the padding rows get zeros and
                    never touch the cache or the attention kernel.
@@ -19,8 +17,6 @@ contract and the plain-XLA reference).
 
 `for_forward(config, mesh)` picks the cache-free implementation of a `ForwardConfig` and
 `paged_for_forward(config, mesh)` its paged one (tables given per call).
-(`PallasAttention`'s cache methods and the slot cache's decode kernel serve the kernel benchmarks
-and tests until the paged kernel matches them.)
 """
 
 from __future__ import annotations
@@ -33,12 +29,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from cg_jax.core.config import ForwardConfig
-from cg_jax.kernels.decode_attention import (DecodeAttentionConfig, decode_attention,
-                                             decode_attention_with_write)
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
 from cg_jax.kernels.ragged_paged_attention import (PREFILL, RaggedPagedAttentionConfig,
                                                    ragged_paged_attention)
-from models.attention import XlaAttention, softmax_attention, write_prompt, write_token
+from models.attention import XlaAttention, softmax_attention
 
 
 def interpret_pallas() -> bool:
@@ -63,11 +57,10 @@ def _per_device(kernel, mesh, in_specs, out_specs):
 
 @dataclasses.dataclass(frozen=True)
 class PallasAttention(XlaAttention):
-  """The Pallas kernels; `mesh` is the tensor-parallel mesh (heads split over it) or None."""
+  """`causal` as the Pallas flash kernel (the slot-cache methods are `XlaAttention`'s, over
+  this `causal`); `mesh` is the tensor-parallel mesh (heads split over it) or None."""
 
-  decode_config: DecodeAttentionConfig = DecodeAttentionConfig()
   prefill_config: FlashAttentionConfig = FlashAttentionConfig()
-  fused_write: bool = True
   mesh: Any = None
   interpret: bool = False
 
@@ -78,38 +71,6 @@ class PallasAttention(XlaAttention):
 
     heads = None if self.mesh is None else _heads(self.mesh, 4, 2)
     return _per_device(kernel, self.mesh, (heads, heads, heads, P()), heads)(q, k, v, lengths)
-
-  def prefill(self, q, k, v, lengths, k_all, v_all, layer):
-    k_all, v_all = write_prompt(k, v, k_all, v_all, layer)
-    return self.causal(q, k, v, lengths), k_all, v_all
-
-  def decode(self, q, k, v, positions, k_all, v_all, layer):
-    mesh = self.mesh
-    heads = None if mesh is None else _heads(mesh, 3, 1)
-    cache = None if mesh is None else _heads(mesh, 5, 3)
-    lengths = positions + 1
-    if self.fused_write and isinstance(layer, int):
-      def fused(q, k, v, k_all, v_all, lengths):
-        return decode_attention_with_write(q, k, v, k_all, v_all, lengths, layer=layer,
-                                           config=self.decode_config, interpret=self.interpret)
-
-      return _per_device(fused, mesh, (heads, heads, heads, cache, cache, P()),
-                         (heads, cache, cache))(q, k, v, k_all, v_all, lengths)
-    k_all, v_all = write_token(k, v, positions, k_all, v_all, layer)
-    if isinstance(layer, int):  # the kernel reads the stacked cache in place
-      k_layer, v_layer, static_layer = k_all, v_all, layer
-    else:
-      batch = q.shape[0]
-      k_layer, v_layer, static_layer = k_all[layer, :batch], v_all[layer, :batch], None
-    layer_cache = None if mesh is None else _heads(mesh, k_layer.ndim, k_layer.ndim - 2)
-
-    def kernel(q, k_layer, v_layer, lengths):
-      return decode_attention(q, k_layer, v_layer, lengths, layer=static_layer,
-                              config=self.decode_config, interpret=self.interpret)
-
-    out = _per_device(kernel, mesh, (heads, layer_cache, layer_cache, P()), heads)(
-        q, k_layer, v_layer, lengths)
-    return out, k_all, v_all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +130,8 @@ class PagedAttention:
     if self.kernel:
       # Fresh prompts read nothing from the cache: the flash kernel attends them (the ragged
       # kernel is slower there: results/ragged_paged_attention_v3_h200.md) and their keys and
-      # values are scattered into their pages.
-      k_all, v_all, _, _ = self._write(k, v, starts, lengths, k_all, v_all, layer)
+      # values go into their pages a block at a time.
+      k_all, v_all = self._write_blocks(k, v, lengths, k_all, v_all, layer)
       return self.inner.causal(q, k, v, lengths), k_all, v_all
     return self._rows(q, k, v, starts, lengths, k_all, v_all, layer, self.prefill_config)
 
@@ -222,6 +183,28 @@ class PagedAttention:
     v_all = v_all.at[layer, page, slot].set(v.astype(v_all.dtype), mode="drop")
     return k_all, v_all, position, real
 
+  def _write_blocks(self, k, v, lengths, k_all, v_all, layer):
+    """Fresh prompts' keys and values k, v [B, S, K, H] (row b's first lengths[b] tokens at
+    positions 0..) stored a block at a time: each block holding a real token gets one
+    contiguous [C, K, H] slice (zeros past the row's length); the others are not written."""
+    batch, size = k.shape[:2]
+    num_blocks, page_size = k_all.shape[1], k_all.shape[2]
+    pages = -(-size // page_size)
+    # [B, S]: the row's real tokens
+    real = jnp.arange(size)[None, :] < lengths[:, None]
+
+    def blocks(x):
+      # [B, S, K, H] -> [B, P, C, K, H]
+      x = jnp.where(real[:, :, None, None], x, 0).astype(k_all.dtype)
+      x = jnp.pad(x, ((0, 0), (0, pages * page_size - size), (0, 0), (0, 0)))
+      return x.reshape(batch, pages, page_size, *x.shape[2:])
+
+    # [B, P]: the block of each page that holds a real token, else one past the cache (dropped)
+    used = jnp.arange(pages)[None, :] * page_size < lengths[:, None]
+    table = jnp.where(used, self.tables[:, :pages], num_blocks)
+    return (k_all.at[layer, table].set(blocks(k), mode="drop"),
+            v_all.at[layer, table].set(blocks(v), mode="drop"))
+
   def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only):
     batch, size, heads, head_dim = q.shape
     mesh = self.mesh
@@ -248,9 +231,7 @@ def for_forward(config: ForwardConfig, mesh=None):
   """The attention implementation of a forward config (`mesh`: tensor-parallel mesh or None)."""
   if config.attention == "xla":
     return XlaAttention()
-  return PallasAttention(decode_config=config.decode_attention,
-                         prefill_config=config.prefill_attention,
-                         fused_write=config.cache_write == "fused", mesh=mesh,
+  return PallasAttention(prefill_config=config.prefill_attention, mesh=mesh,
                          interpret=interpret_pallas())
 
 

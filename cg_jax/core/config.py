@@ -2,8 +2,7 @@
 
   EngineConfig                       cache length, buckets, CUDA-graph mode, readback lag, device
   |                                  loop, tensor parallelism, extra XLA options
-  +-- forward: ForwardConfig         attention backend, layer loop, matmul row padding, cache write
-        +-- decode_attention: DecodeAttentionConfig   (cg_jax.kernels.decode_attention)
+  +-- forward: ForwardConfig         attention backend, layer loop, matmul row padding
         +-- prefill_attention: FlashAttentionConfig   (cg_jax.kernels.flash_attention)
 
 Every node checks its own fields when it is made, and a combination that would not take effect is
@@ -24,13 +23,11 @@ import jax
 from cg_jax.core import graphs as graph_modes
 from cg_jax.core.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.core.sharding import check_tensor_parallel
-from cg_jax.kernels.decode_attention import DecodeAttentionConfig
 from cg_jax.kernels.flash_attention import FlashAttentionConfig
 from models.config import DecoderConfig
 from models.decoder import LAYER_LOOPS
 
 ATTENTION_BACKENDS = ("xla", "pallas")
-CACHE_WRITES = ("fused", "scatter")
 # Largest readback lag and matmul row padding accepted.
 MAX_READBACK_LAG = 8
 # The prompt executables' GEMMs: "xla" leaves the choice to XLA (its autotuned Triton GEMM
@@ -73,9 +70,7 @@ class ForwardConfig:
   min_matmul_rows: decode steps with fewer rows run their layers on the hidden state padded to
     this many rows (1 = none), so XLA emits GEMMs instead of its single-row multiply-and-reduce
     rewrite (benchmarks/results/projections_h200.md). Results are unchanged.
-  cache_write: "fused" (the decode kernel stores the new key and value in place; needs Pallas
-    attention and unrolled layers) or "scatter" (an XLA scatter per layer).
-  decode_attention, prefill_attention: the Pallas kernels' own configs (Pallas attention only).
+  prefill_attention: the Pallas flash kernel's own config (Pallas attention only).
   batch_invariant: decode steps pad with idle rows (position -1) that the attention, the token
     choice and the scores take too, so that every per-row operation has the same shape in every
     batch bucket (`EngineConfig.batch_invariant`).
@@ -84,8 +79,6 @@ class ForwardConfig:
   attention: str
   layer_loop: str
   min_matmul_rows: int = 8
-  cache_write: str = "scatter"
-  decode_attention: DecodeAttentionConfig = DecodeAttentionConfig()
   prefill_attention: FlashAttentionConfig = FlashAttentionConfig()
   batch_invariant: bool = False
 
@@ -94,51 +87,33 @@ class ForwardConfig:
     if not isinstance(self.batch_invariant, bool):
       raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
     _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
-    _choice("cache_write", self.cache_write, CACHE_WRITES)
     if not _is_int(self.min_matmul_rows) or not 1 <= self.min_matmul_rows <= MAX_MATMUL_ROWS:
       raise ValueError(f"min_matmul_rows must be an int in [1, {MAX_MATMUL_ROWS}], "
                        f"got {self.min_matmul_rows!r}")
-    for name, kind in (("decode_attention", DecodeAttentionConfig),
-                       ("prefill_attention", FlashAttentionConfig)):
-      value = getattr(self, name)
-      if not isinstance(value, kind):
-        raise TypeError(f"{name} must be a {kind.__name__}, got {value!r}")
-      if self.attention != "pallas" and value != kind():
-        raise ValueError(f"{name}={value} has no effect with attention={self.attention!r}: the "
-                         f"kernels run with attention='pallas'")
-    if self.cache_write == "fused":
-      if self.attention != "pallas":
-        raise ValueError(f"cache_write='fused' needs attention='pallas' (the decode kernel writes "
-                         f"the cache), got attention={self.attention!r}")
-      if self.layer_loop != "unroll":
-        raise ValueError(f"cache_write='fused' needs layer_loop='unroll' (the kernel writes a "
-                         f"static layer), got layer_loop={self.layer_loop!r}")
+    value = self.prefill_attention
+    if not isinstance(value, FlashAttentionConfig):
+      raise TypeError(f"prefill_attention must be a FlashAttentionConfig, got {value!r}")
+    if self.attention != "pallas" and value != FlashAttentionConfig():
+      raise ValueError(f"prefill_attention={value} has no effect with "
+                       f"attention={self.attention!r}: the kernels run with attention='pallas'")
 
   @classmethod
   def create(cls, *, attention: str | None = None, layer_loop: str | None = None,
-             min_matmul_rows: int | None = None, cache_write: str | None = None,
-             decode_attention: DecodeAttentionConfig | None = None,
+             min_matmul_rows: int | None = None,
              prefill_attention: FlashAttentionConfig | None = None,
              batch_invariant: bool = False, max_batch: int = 1) -> "ForwardConfig":
-    """The config with the platform's defaults for what is None: Pallas attention, unrolled
-    layers and the fused cache write on GPU; XLA attention, scanned layers and scatters
-    elsewhere; products on at least 8 rows. `batch_invariant` (with the engine's largest batch
-    bucket `max_batch`) pads every decode step to `max_batch` rows and keeps the decode kernel's
-    split count off the batch (`DecodeAttentionConfig(min_programs=0)`)."""
+    """The config with the platform's defaults for what is None: Pallas attention and unrolled
+    layers on GPU; XLA attention and scanned layers elsewhere; products on at least 8 rows.
+    `batch_invariant` (with the engine's largest batch bucket `max_batch`) pads every decode
+    step to `max_batch` rows (the paged kernel's split count is kept off the batch by
+    `cg_jax.core.attention.paged_for_forward`)."""
     if attention is None:
       attention = "pallas" if on_gpu() else "xla"
     if layer_loop is None:
       layer_loop = "unroll" if on_gpu() else "scan"
-    if cache_write is None:
-      cache_write = "fused" if attention == "pallas" and layer_loop == "unroll" else "scatter"
     if min_matmul_rows is None:
       min_matmul_rows = max(8, max_batch) if batch_invariant is True else 8
-    if decode_attention is None:
-      decode_attention = DecodeAttentionConfig()
-      if batch_invariant is True and attention == "pallas":
-        decode_attention = DecodeAttentionConfig(min_programs=0)
     return cls(attention=attention, layer_loop=layer_loop, min_matmul_rows=min_matmul_rows,
-               cache_write=cache_write, decode_attention=decode_attention,
                prefill_attention=prefill_attention or FlashAttentionConfig(),
                batch_invariant=batch_invariant)
 
@@ -166,9 +141,9 @@ class EngineConfig:
     sorted (name, value) pairs.
   batch_invariant: a request's logits do not depend on the other requests, the slot or the
     load: every decode step runs its products, token choice and scores on `buckets.max_batch`
-    rows, the decode kernel's split count depends on the cache length only, and prompts are
-    prefilled one per call in chunks of the one prompt bucket, at multiples of it (prefix-cache
-    hits are used in whole chunks).
+    rows, the paged kernel's split count depends on the block table's width only, and prompts
+    are prefilled one per call in chunks of the one prompt bucket, at multiples of it
+    (prefix-cache hits are used in whole chunks).
   """
 
   max_seq_len: int
@@ -233,9 +208,6 @@ class EngineConfig:
     if f.min_matmul_rows < self.buckets.max_batch:
       raise ValueError(f"batch_invariant=True needs min_matmul_rows >= the largest batch bucket "
                        f"({self.buckets.max_batch}), got min_matmul_rows={f.min_matmul_rows}")
-    if f.attention == "pallas" and f.decode_attention.min_programs != 0:
-      raise ValueError(f"batch_invariant=True needs DecodeAttentionConfig(min_programs=0) (splits "
-                       f"fixed by the cache length), got decode_attention={f.decode_attention}")
     if self.buckets.batch_sizes[0] != 1:
       raise ValueError(f"batch_invariant=True prefills one prompt per call: batch_buckets must "
                        f"include 1, got {self.buckets.batch_sizes}")
@@ -348,13 +320,11 @@ class EngineConfig:
                 compiler_options=dict(self.compiler_options),
                 batch_invariant=self.batch_invariant, attention=f.attention,
                 layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
-                cache_write=f.cache_write, decode_attention=f.decode_attention,
                 prefill_attention=f.prefill_attention)
 
   def as_dict(self) -> dict[str, Any]:
     """The configuration that runs, as plain values (kernel configs as dicts)."""
     out = self.options()
-    out["decode_attention"] = dataclasses.asdict(self.forward.decode_attention)
     out["prefill_attention"] = dataclasses.asdict(self.forward.prefill_attention)
     out["xla_options"] = self.xla_options
     out["prefill_xla_options"] = self.prefill_xla_options

@@ -27,12 +27,12 @@ sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cac
      values into their pages (the caches are aliased to the outputs): one writer per slot.
   4. Splits. Long caches are cut into splits of keys only while the programs would not fill the
      GPU (`min_programs`: small decode batches; prompt chunks keep one split); the partials are
-     combined in jnp (`decode_attention.combine_splits`). With one split the
+     combined in jnp (`_combine_splits`). With one split the
      program normalises and writes the result itself.
   5. Decode steps (`decode_only`: one query token per sequence, token r of sequence r) skip the
      tile layout: one program per (sequence, KV head, split) reads its pages and folds the
      token's own key in elementwise (no second key loop), so a decode row's chain of dependent
-     loads is the slot cache kernel's plus one page lookup per block.
+     loads is a contiguous cache's plus one page lookup per block.
 
 Loads and stores of rows past a sequence's tokens, heads past G and keys past the causal limit
 are masked; their indices point past the arrays (a masked store is dropped, in the interpreter
@@ -55,7 +55,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cg_jax.kernels.blocks import MIN_DOT_DIM, check_split_config, is_power_of_two
-from cg_jax.kernels.decode_attention import combine_splits
 
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -174,6 +173,30 @@ def split_layout(tiles: int, kv_heads: int, positions: int,
   return split, pl.cdiv(positions, split)
 
 
+def _combine_splits(split_acc, split_max, split_denom):
+  """Merges per-split online-softmax partials into normalised outputs (plain jnp, which XLA
+  fuses): the max over splits, each split rescaled by exp(m_split - m_max), summed, and divided
+  by the summed denominator.
+
+  Args:
+    split_acc: float32 [..., splits, G, H] unnormalised sums of exp(score - split_max) * v.
+    split_max: float32 [..., splits, G] running maxima (-inf for a split with no valid key).
+    split_denom: float32 [..., splits, G] sums of exp(score - split_max) (0 for an empty split).
+  Returns:
+    float32 [..., G, H]; zeros where no split saw a valid key.
+  """
+  # [..., G]: a row with no valid key anywhere has max -inf; use 0 so exp(-inf - 0) = 0, not NaN.
+  global_max = jnp.max(split_max, axis=-2)
+  global_max = jnp.where(jnp.isfinite(global_max), global_max, 0.0)
+  # [..., splits, G]
+  split_weight = jnp.exp(split_max - global_max[..., None, :])
+  # [..., G]
+  denom = jnp.sum(split_denom * split_weight, axis=-2)
+  # [..., G, H]
+  acc = jnp.sum(split_acc * split_weight[..., None], axis=-3)
+  return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
 def _online(carry, query, keys, values, sm_scale: float, visible=None):
   """The online-softmax update of (acc [rows, H], max [rows], denom [rows]) by one block of keys
   and values [block, H] for query [rows, H]; `visible` [rows, block] masks it (None: every row
@@ -228,7 +251,7 @@ def _cached_keys(carry, query, tables_ref, k_pages_ref, v_pages_ref, layer, seq,
 
 def _store(out_refs, carry, valid, stored, token_at, head_at, split_index) -> None:
   """A program's rows out: zeros for rows without a query token (not `valid`); with one split the
-  normalised output [A, N, H], else the partials for `combine_splits` ([A, splits, N(, H)]).
+  normalised output [A, N, H], else the partials for `_combine_splits` ([A, splits, N(, H)]).
   Row i goes to token token_at[i], head head_at[i]; rows not `stored` are dropped."""
   acc, row_max, denom = carry
   acc = jnp.where(valid[:, None], acc, 0.0)
@@ -520,7 +543,7 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
   if num_splits == 1:
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   else:
-    # The partials with the splits beside the rows, as combine_splits takes them.
+    # The partials with the splits beside the rows, as _combine_splits takes them.
     out_shape = [jax.ShapeDtypeStruct((tokens, num_splits, heads, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((tokens, num_splits, heads), jnp.float32),
                  jax.ShapeDtypeStruct((tokens, num_splits, heads), jnp.float32)]
@@ -542,7 +565,7 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
   if num_splits == 1:
     out = result[0]
   else:
-    out = combine_splits(*result)
+    out = _combine_splits(*result)
   return out.astype(q.dtype), k_pages, v_pages
 
 
