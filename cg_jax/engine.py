@@ -12,6 +12,7 @@ parameters) and `cg_jax.validation` (prompts and requests).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -25,7 +26,7 @@ import numpy as np
 
 from cg_jax import text, validation
 from cg_jax.core import attention, compile_stats
-from cg_jax.core.config import OPTION_NAMES, EngineConfig, on_gpu
+from cg_jax.core.config import OPTION_NAMES, EngineConfig, blocks_for_memory, on_gpu
 from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.core.kv_cache import CacheHolder
 from cg_jax.core.sampling import TOP_LOGPROBS, unpack_scores
@@ -74,12 +75,16 @@ class Engine:
     **options: its keyword options, with the platform's defaults for those left out (see
       `EngineConfig.create` and `ForwardConfig.create`): max_seq_len, batch_buckets,
       prompt_buckets, graphs, readback_lag, prefill_gemm, tensor_parallel, batch_invariant,
-      compiler_options, attention, layer_loop, min_matmul_rows, prefill_attention (a
-      `FlashAttentionConfig`).
+      prefix_cache_tokens, prefix_block, kv_blocks, gpu_memory_utilization, compiler_options,
+      attention, layer_loop, min_matmul_rows, prefill_attention (a `FlashAttentionConfig`).
+      On a GPU the KV blocks fill `gpu_memory_utilization` (default 0.9) of its memory beside
+      the weights and an activation reserve (`cg_jax.core.config.blocks_for_memory`) unless
+      kv_blocks is given; on the CPU they are `EngineConfig.num_blocks`' default.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off. The compiled executables are stored there too, serialized: a
       second engine of the same build and configuration starts without compiling.
-    memory_limit_bytes: override the device-memory budget used by the start-up check.
+    memory_limit_bytes: the device memory to size the KV blocks from and check against
+      (default: what the GPU reports; on the CPU, blocks are not sized from memory unless given).
     seed: weight-initialisation seed when `weights` is None.
   """
 
@@ -103,6 +108,8 @@ class Engine:
       warnings.warn(f"dtype={dtype} on the CPU is emulated and much slower than float32 (about "
                     f"40x per token with the bundled model); float32 is the CPU default",
                     UserWarning, stacklevel=2)
+    engine_config = self._sized(config, engine_config, memory_limit_bytes,
+                                options.get("gpu_memory_utilization") is not None)
     self.model_config, self.config, self.tokenizer = config, engine_config, tokenizer
     # The options as given, for `with_options` (defaults are resolved again there).
     self._options = dict(options) if given is None else given.options()
@@ -169,14 +176,42 @@ class Engine:
     """A new engine over the same device weights with other options (e.g. another graph mode
     or layer loop), for side-by-side comparisons in one process. It shares this engine's
     executables when its configuration differs only in host-side settings (the readback lag,
-    the queue's size)."""
+    the queue's size). A cache sized from device memory keeps this engine's block count unless
+    `options` change what sizes it (kv_blocks, gpu_memory_utilization, max_seq_len,
+    prefix_block): this engine's cache holds that memory."""
+    given = {**self._options, **options}
+    sizing = {"kv_blocks", "gpu_memory_utilization", "max_seq_len", "prefix_block"}
+    if self.config.kv_blocks is not None and not sizing & set(options) \
+        and "kv_blocks" not in self._options:
+      # This engine's cache holds the memory the blocks were sized from: keep its count.
+      given.pop("gpu_memory_utilization", None)
+      given["kv_blocks"] = self.config.kv_blocks
     engine = Engine(self.model_config, self.weights(), dtype=self.dtype.name,
-                    tokenizer=self.tokenizer, **{**self._options, **options})
+                    tokenizer=self.tokenizer, **given)
     host_only = {"readback_lag": 0, "max_waiting": 0}
     mine, theirs = self.config.options() | host_only, engine.config.options() | host_only
     if mine == theirs:
       engine.executables.share(self.executables)
     return engine
+
+  def _sized(self, model: DecoderConfig, config: EngineConfig, limit: int | None,
+             utilization_given: bool) -> EngineConfig:
+    """`config` with `kv_blocks` sized from the device's memory (`limit`, else what the GPU
+    reports, less what is in use) when it is None and the size is known."""
+    device = jax.local_devices()[0]
+    memory = limit if limit is not None else (_device_memory_bytes(device) if on_gpu() else None)
+    if config.kv_blocks is not None:
+      return config
+    if memory is None:
+      if utilization_given:
+        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} has no effect "
+                         f"on a {device.platform} device that reports no memory size: give "
+                         f"kv_blocks or memory_limit_bytes")
+      return config
+    stats = (device.memory_stats() or {}) if limit is None else {}
+    in_use = int(stats.get("bytes_in_use", 0))
+    return dataclasses.replace(config, kv_blocks=blocks_for_memory(
+        model, config, self.dtype.itemsize, memory, in_use))
 
   def _check_memory(self, limit: int | None) -> None:
     config, engine = self.model_config, self.config

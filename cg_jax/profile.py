@@ -201,8 +201,11 @@ def _inputs(engine, tree):
 
 def identity_tables(engine, batch: int) -> np.ndarray:
   """int32 [batch, W]: row b owns blocks b W .. (b + 1) W - 1 of the paged cache (the static
-  path's rows; the cache has a full table per row of the largest batch bucket)."""
+  path's rows). ValueError when the cache has fewer blocks than that."""
   width = engine.config.table_width
+  if batch * width > engine.config.num_blocks:
+    raise ValueError(f"batch {batch} needs {batch * width} KV blocks for full block tables; the "
+                     f"cache has {engine.config.num_blocks} (kv_blocks)")
   return np.arange(batch * width, dtype=np.int32).reshape(batch, width)
 
 

@@ -302,6 +302,56 @@ def test_kv_cache_too_large_fails_at_construction():
     Engine(preset("tiny-llama"), memory_limit_bytes=1000)
 
 
+GIB = 2**30
+
+
+def _block_bytes(config, block: int, itemsize: int = 4) -> int:
+  """One KV block's keys and values over every layer."""
+  return 2 * config.num_layers * block * config.num_kv_heads * config.head_dim * itemsize
+
+
+def test_kv_blocks_fill_the_memory_share_left_by_weights_and_activations():
+  """Blocks sized from a 2 GiB device: gpu_memory_utilization of it, less the weights and the
+  1 GiB activation floor, in whole blocks (one of them the scratch block)."""
+  config = preset("tiny-llama")
+  weights = config.num_parameters() * 4
+  for utilization in (0.9, 0.6):
+    engine = Engine(config, memory_limit_bytes=2 * GIB, gpu_memory_utilization=utilization,
+                    max_seq_len=128, batch_buckets=(1, 2), prompt_buckets=(16,))
+    free = int(utilization * 2 * GIB) - weights - GIB
+    want = free // _block_bytes(config, engine.config.prefix_block) - 1
+    assert engine.stats()["kv_blocks"] == engine.config.num_blocks == want
+    assert want > 2 * engine.config.table_width + engine.config.prefix_blocks  # above the default
+    # A second engine over the same weights keeps the block count the memory was sized for.
+    assert engine.with_options(readback_lag=0).config.num_blocks == want
+    engine.close()
+
+
+def test_kv_blocks_given_and_their_errors():
+  config = preset("tiny-llama")
+  engine = Engine(config, kv_blocks=9, max_seq_len=128, batch_buckets=(1, 2),
+                  prompt_buckets=(16,))
+  assert engine.stats()["kv_blocks"] == 9 and engine.config.table_width == 8
+  [tokens] = engine.generate([[1, 2, 3]], 4, eos_token_id=[])
+  assert len(tokens) == 4
+  engine.close()
+  cases = [
+      (dict(kv_blocks=7), r"kv_blocks must be None or an int >= 8 \(one sequence of max_seq_len "
+                          r"128 in blocks of 16\), got 7"),
+      (dict(kv_blocks=9, gpu_memory_utilization=0.5),
+       r"gpu_memory_utilization=0.5 has no effect with kv_blocks=9"),
+      (dict(gpu_memory_utilization=0.5), r"gpu_memory_utilization=0.5 has no effect on a cpu "
+                                         r"device that reports no memory size"),
+      (dict(gpu_memory_utilization=1.5, memory_limit_bytes=GIB),
+       r"gpu_memory_utilization must be a number in \(0, 1\], got 1.5"),
+      (dict(memory_limit_bytes=GIB), r"needs at least 8 blocks .*gpu_memory_utilization=0.9 of "
+                                     r"1.00 GiB .*raise gpu_memory_utilization"),
+  ]
+  for options, match in cases:
+    with pytest.raises(ValueError, match=match):
+      Engine(config, max_seq_len=128, batch_buckets=(1, 2), prompt_buckets=(16,), **options)
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(max_seq_len=10_000), "max_seq_len must be an int in"),
     (dict(attention="flash"), "attention must be one of"),

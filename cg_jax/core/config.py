@@ -45,6 +45,13 @@ MAX_MATMUL_ROWS = 64
 INVARIANT_CHUNK = 256
 # The KV-cache length when max_seq_len is not given: min(model context, DEFAULT_MAX_SEQ_LEN).
 DEFAULT_MAX_SEQ_LEN = 2048
+# The share of the device's memory an engine fills (weights, KV cache, activations) when its KV
+# blocks are sized from memory, as vLLM's gpu_memory_utilization.
+DEFAULT_MEMORY_UTILIZATION = 0.9
+# Kept free beside the weights and the cache for the executables' activations and workspace: at
+# least this, or ACTIVATION_TENSORS tensors as wide as the MLP over the largest prompt call.
+MIN_ACTIVATION_RESERVE = 1 << 30
+ACTIVATION_TENSORS = 4
 
 
 def _is_int(value) -> bool:
@@ -134,7 +141,13 @@ class EngineConfig:
   prefix_cache_tokens: blocks' worth of tokens the paged cache holds beyond the rows' own
     (`num_blocks`) for finished prompts' cached prefixes: a prompt that starts with cached blocks
     shares them (`cg_jax.core.block_pool`); 0 turns prefix caching off (the field's default;
-    `create` turns it on).
+    `create` turns it on). With `kv_blocks` set, any block no request holds keeps its prefix
+    until it is needed, and only 0 versus not 0 matters.
+  kv_blocks: N, the paged cache's blocks (at least one max_seq_len sequence's); None: a full
+    block table per row of the largest batch bucket plus the prefix cache's. `Engine` sets it
+    from the device's memory (`blocks_for_memory`) when the device reports its size.
+  gpu_memory_utilization: the share of the device's memory the engine may fill when it sizes
+    `kv_blocks` from memory (weights, cache and the activation reserve), in (0, 1].
   prefix_block: tokens per KV-cache block C, the paged cache's page and the prefix cache's unit
     (a prefix is shared in whole blocks); with the Pallas kernel a power of two >= 16.
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
@@ -156,6 +169,8 @@ class EngineConfig:
   max_waiting: int = 1024
   prefix_cache_tokens: int = 0
   prefix_block: int = 16
+  kv_blocks: int | None = None
+  gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
   compiler_options: tuple[tuple[str, Any], ...] = ()
   batch_invariant: bool = False
 
@@ -187,6 +202,16 @@ class EngineConfig:
         self.prefix_cache_tokens == 0 or self.prefix_cache_tokens >= self.prefix_block):
       raise ValueError(f"prefix_cache_tokens must be 0 (off) or an int >= prefix_block "
                        f"({self.prefix_block}), got {self.prefix_cache_tokens!r}")
+    if self.kv_blocks is not None and (not _is_int(self.kv_blocks)
+                                       or self.kv_blocks < self.table_width):
+      raise ValueError(f"kv_blocks must be None or an int >= {self.table_width} (one sequence of "
+                       f"max_seq_len {self.max_seq_len} in blocks of {self.prefix_block}), got "
+                       f"{self.kv_blocks!r}")
+    utilization = self.gpu_memory_utilization
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not (
+        0 < utilization <= 1):
+      raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got "
+                       f"{utilization!r}")
     if not _is_int(self.tensor_parallel):  # its range depends on the devices: `check_model`
       raise ValueError(f"tensor_parallel must be an int, got {self.tensor_parallel!r}")
     self._check_batch_invariance()
@@ -225,7 +250,9 @@ class EngineConfig:
              prompt_buckets: Sequence[int] | None = None, graphs: str = "xla-default",
              readback_lag: int = 2, prefill_gemm: str | None = None, tensor_parallel: int = 1,
              max_waiting: int = 1024, prefix_cache_tokens: int | None = None,
-             prefix_block: int | None = None, compiler_options: Mapping[str, Any] | None = None,
+             prefix_block: int | None = None, kv_blocks: int | None = None,
+             gpu_memory_utilization: float | None = None,
+             compiler_options: Mapping[str, Any] | None = None,
              batch_invariant: bool = False, **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
     min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below
@@ -244,6 +271,10 @@ class EngineConfig:
         prefix_cache_tokens = 4 * max_seq_len
     if prefill_gemm is None:
       prefill_gemm = "cublas" if model.hidden_size >= CUBLAS_PREFILL_HIDDEN else "xla"
+    if kv_blocks is not None and gpu_memory_utilization is not None:
+      raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} has no effect with "
+                       f"kv_blocks={kv_blocks!r}: give one (the blocks, or the share of device "
+                       f"memory they are sized from)")
     if compiler_options is not None and not isinstance(compiler_options, Mapping):
       raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
                       f"{compiler_options!r}")
@@ -261,7 +292,9 @@ class EngineConfig:
         max_seq_len=max_seq_len, buckets=buckets, forward=forward,
         graphs=graphs, readback_lag=readback_lag, prefill_gemm=prefill_gemm,
         tensor_parallel=tensor_parallel, max_waiting=max_waiting,
-        prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block,
+        prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block, kv_blocks=kv_blocks,
+        gpu_memory_utilization=(DEFAULT_MEMORY_UTILIZATION if gpu_memory_utilization is None
+                                else gpu_memory_utilization),
         compiler_options=tuple(sorted((compiler_options or {}).items())),
         batch_invariant=batch_invariant)
     config.check_model(model)
@@ -287,9 +320,11 @@ class EngineConfig:
 
   @property
   def num_blocks(self) -> int:
-    """N: the paged cache's blocks: a full block table per row of the largest batch bucket,
-    plus the prefix cache's. The cache holds one more, the scratch block that padding rows
-    write (`scratch_block`)."""
+    """N: the paged cache's blocks: `kv_blocks`, else a full block table per row of the largest
+    batch bucket plus the prefix cache's. The cache holds one more, the scratch block that
+    padding rows write (`scratch_block`)."""
+    if self.kv_blocks is not None:
+      return self.kv_blocks
     return self.buckets.max_batch * self.table_width + self.prefix_blocks
 
   @property
@@ -317,6 +352,8 @@ class EngineConfig:
                 readback_lag=self.readback_lag, prefill_gemm=self.prefill_gemm,
                 tensor_parallel=self.tensor_parallel, max_waiting=self.max_waiting,
                 prefix_cache_tokens=self.prefix_cache_tokens, prefix_block=self.prefix_block,
+                kv_blocks=self.kv_blocks, gpu_memory_utilization=(
+                    None if self.kv_blocks is not None else self.gpu_memory_utilization),
                 compiler_options=dict(self.compiler_options),
                 batch_invariant=self.batch_invariant, attention=f.attention,
                 layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
@@ -325,10 +362,41 @@ class EngineConfig:
   def as_dict(self) -> dict[str, Any]:
     """The configuration that runs, as plain values (kernel configs as dicts)."""
     out = self.options()
+    out["kv_blocks"] = self.num_blocks
     out["prefill_attention"] = dataclasses.asdict(self.forward.prefill_attention)
     out["xla_options"] = self.xla_options
     out["prefill_xla_options"] = self.prefill_xla_options
     return out
+
+
+def blocks_for_memory(model: DecoderConfig, config: EngineConfig, itemsize: int,
+                      memory_bytes: int, in_use_bytes: int = 0) -> int:
+  """N for a device of `memory_bytes` with `in_use_bytes` already taken: what
+  `config.gpu_memory_utilization` of it leaves after what is in use, the weights and the
+  activation reserve, in blocks of `config.prefix_block` tokens (one block is the scratch
+  block), per device under tensor parallelism. ValueError naming the options when that is less
+  than one max_seq_len sequence."""
+  shards = config.tensor_parallel
+  block = 2 * model.num_layers * config.prefix_block * model.num_kv_heads * model.head_dim
+  block = block * itemsize // shards
+  weights = model.num_parameters() * itemsize // shards
+  # The largest prompt call's tokens, and the float32 logits of the largest batch.
+  tokens = config.buckets.max_batch * config.buckets.max_prompt_len
+  width = max(model.hidden_size, 2 * model.intermediate_size)
+  reserve = max(MIN_ACTIVATION_RESERVE, ACTIVATION_TENSORS * tokens * width * itemsize // shards
+                + 2 * config.buckets.max_batch * model.vocab_size * 4)
+  free = int(config.gpu_memory_utilization * memory_bytes) - in_use_bytes - weights - reserve
+  blocks = free // block - 1
+  if blocks < config.table_width:
+    gib = 2**30
+    raise ValueError(
+        f"the KV cache needs at least {config.table_width} blocks of {block} bytes (one sequence "
+        f"of max_seq_len {config.max_seq_len}), but gpu_memory_utilization="
+        f"{config.gpu_memory_utilization} of {memory_bytes / gib:.2f} GiB of device memory, less "
+        f"{in_use_bytes / gib:.2f} GiB in use, {weights / gib:.2f} GiB of weights and "
+        f"{reserve / gib:.2f} GiB for activations, leaves {max(free, 0) / gib:.2f} GiB; raise "
+        f"gpu_memory_utilization or lower max_seq_len, or give kv_blocks")
+  return blocks
 
 
 def _keywords(function) -> tuple[str, ...]:
@@ -339,4 +407,5 @@ def _keywords(function) -> tuple[str, ...]:
 # The keyword options `EngineConfig.create` takes (its own and the forward config's).
 # `ForwardConfig.create`'s batch_invariant and max_batch come from the engine's options.
 OPTION_NAMES: tuple[str, ...] = _keywords(EngineConfig.create) + tuple(
-    name for name in _keywords(ForwardConfig.create) if name not in ("batch_invariant", "max_batch"))
+    name for name in _keywords(ForwardConfig.create)
+    if name not in ("batch_invariant", "max_batch"))
