@@ -3,9 +3,11 @@
 One program per (query head, block of `block_q` queries) of one sequence (the batch is a vmapped
 grid axis). It streams the keys and values of its KV head in blocks of `block_k` (grouped-query
 attention: query head h reads KV head h // group, nothing is repeated in memory), keeps a running
-max, denominator and float32 accumulator (online softmax), and applies the scale, the causal mask
-and the padding mask (keys at or past the sequence's length) on the fly. The loop stops at the
-last block any query of the program may see, so padding and the causal future are never read.
+max, denominator and float32 accumulator (online softmax, in base 2), and applies the scale, the
+causal mask and the padding mask (keys at or past the sequence's length) on the fly, in two
+loops: the key blocks every query of the program sees whole run without a mask, then the blocks
+on the diagonal or at the padding with it. The loop stops at the last block any query of the
+program may see, so padding and the causal future are never read.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
+
+LOG2_E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,32 +53,41 @@ def _kernel(length_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causal: 
   head_dim = q_ref.shape[-1]
   # float32 inputs get true float32 dots (Triton would otherwise use TF32).
   precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+  # Scores in log2 units: exp2(s log2(e) - m) = exp(s - m / log2(e)).
+  scale = sm_scale * LOG2_E
   # [block_q, H]
   q = q_ref[...]
   q_positions = q_block * block_q + jnp.arange(block_q)
   visible = length
+  # Key blocks every query of the program sees whole (before the diagonal and the padding):
+  # no mask, and every row's max is finite.
+  unmasked = length // block_k
   if causal:
     visible = jnp.minimum(visible, (q_block + 1) * block_q)
+    unmasked = jnp.minimum(unmasked, (q_block * block_q + 1) // block_k)
   num_blocks = pl.cdiv(visible, block_k)
 
-  def body(block, carry):
+  def step(block, carry, masked: bool):
     running_max, denominator, accumulator = carry
     keys = pl.ds(block * block_k, block_k)
     # [block_k, H]
     k = k_ref[keys, :]
     v = v_ref[keys, :]
     # [block_q, block_k], float32
-    scores = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale
-    k_positions = block * block_k + jnp.arange(block_k)
-    mask = k_positions[None, :] < length
-    if causal:
-      mask = mask & (k_positions[None, :] <= q_positions[:, None])
-    scores = jnp.where(mask, scores, -jnp.inf)
+    scores = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
+    if masked:
+      k_positions = block * block_k + jnp.arange(block_k)
+      mask = k_positions[None, :] < length
+      if causal:
+        mask = mask & (k_positions[None, :] <= q_positions[:, None])
+      scores = jnp.where(mask, scores, -jnp.inf)
     new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
-    # A row with no visible key yet keeps max -inf: shift by 0 instead (exp(-inf) = 0, no NaN).
-    shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-    probs = jnp.exp(scores - shift[:, None])
-    rescale = jnp.exp(running_max - shift)
+    shift = new_max
+    if masked:
+      # A row with no visible key yet keeps max -inf: shift by 0 instead (exp2(-inf) = 0).
+      shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    probs = jnp.exp2(scores - shift[:, None])
+    rescale = jnp.exp2(running_max - shift)
     denominator = denominator * rescale + jnp.sum(probs, axis=1)
     accumulator = accumulator * rescale[:, None] + jnp.dot(
         probs.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
@@ -82,7 +95,9 @@ def _kernel(length_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causal: 
 
   init = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
           jnp.zeros((block_q, head_dim), jnp.float32))
-  _, denominator, accumulator = jax.lax.fori_loop(0, num_blocks, body, init)
+  carry = jax.lax.fori_loop(0, unmasked, functools.partial(step, masked=False), init)
+  _, denominator, accumulator = jax.lax.fori_loop(unmasked, num_blocks,
+                                                  functools.partial(step, masked=True), carry)
   # Queries that saw no key (a length-0 row) produce zeros.
   denominator = jnp.where(denominator == 0.0, 1.0, denominator)
   o_ref[...] = (accumulator / denominator[:, None]).astype(o_ref.dtype)

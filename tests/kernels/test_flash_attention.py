@@ -46,6 +46,19 @@ def test_matches_float64_reference(dtype, heads, kv_heads, head_dim):
                       np.where(valid, reference, 0.0), dtype, "flash_attention")
 
 
+@pytest.mark.parametrize("block_q, block_k", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_unmasked_and_masked_key_blocks(block_q, block_k, causal):
+  """Query blocks wider and narrower than key blocks: the key blocks run without a mask up to the
+  diagonal or the padding, with it after (lengths at, inside and before a block boundary)."""
+  q, k, v, lengths = _case(block_q + block_k, 3, 80, 4, 2, 64, "float32", [80, 47, 1])
+  config = FlashAttentionConfig(block_q=block_q, block_k=block_k)
+  out = flash_attention(q, k, v, lengths, causal=causal, config=config, interpret=True)
+  reference, valid = _reference(q, k, v, lengths, causal=causal)
+  assert_kernel_close(np.where(valid, np.asarray(out, np.float64), 0.0),
+                      np.where(valid, reference, 0.0), "float32", "flash_attention blocks")
+
+
 def test_group_of_four_and_non_causal():
   q, k, v, lengths = _case(1, 2, 33, 8, 2, 64, "float32", [33, 9])
   out = flash_attention(q, k, v, lengths, causal=False, config=SMALL_BLOCKS, interpret=True)
