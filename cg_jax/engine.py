@@ -176,18 +176,13 @@ class Engine:
     """A new engine over the same device weights with other options (e.g. another graph mode
     or layer loop), for side-by-side comparisons in one process. It shares this engine's
     executables when its configuration differs only in host-side settings (the readback lag,
-    the queue's size). A cache sized from device memory keeps this engine's block count unless
-    `options` change what sizes it (kv_blocks, gpu_memory_utilization, max_seq_len,
-    prefix_block): this engine's cache holds that memory."""
-    given = {**self._options, **options}
-    sizing = {"kv_blocks", "gpu_memory_utilization", "max_seq_len", "prefix_block"}
-    if self.config.kv_blocks is not None and not sizing & set(options) \
-        and "kv_blocks" not in self._options:
-      # This engine's cache holds the memory the blocks were sized from: keep its count.
-      given.pop("gpu_memory_utilization", None)
-      given["kv_blocks"] = self.config.kv_blocks
+    the queue's size). When this engine's cache is sized from device memory, it is allocated
+    first and the new engine's comes from the memory left: give the new one kv_blocks or a
+    gpu_memory_utilization that fits."""
+    if self.config.kv_blocks is not None and "kv_blocks" not in self._options:
+      self.kv_cache.get()  # sized from memory: the new engine's blocks come from what is left
     engine = Engine(self.model_config, self.weights(), dtype=self.dtype.name,
-                    tokenizer=self.tokenizer, **given)
+                    tokenizer=self.tokenizer, **{**self._options, **options})
     host_only = {"readback_lag": 0, "max_waiting": 0}
     mine, theirs = self.config.options() | host_only, engine.config.options() | host_only
     if mine == theirs:
@@ -482,9 +477,11 @@ class Engine:
       self._scheduler.blocks.reset()
 
   def close(self) -> None:
-    """Finish: every queued or running request fails with `cg_jax.handles.EngineClosed`, and
-    the engine thread stops. The engine takes no more requests."""
+    """Finish: every queued or running request fails with `cg_jax.handles.EngineClosed`, the
+    engine thread stops and the KV cache's memory is freed. The engine takes no more
+    requests."""
     self._scheduler.close()
+    self.kv_cache.release()
 
   def __del__(self):
     scheduler = getattr(self, "_scheduler", None)

@@ -210,19 +210,24 @@ def identity_tables(engine, batch: int) -> np.ndarray:
 
 
 def prepare_decode(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, DecodeState]:
-  """Compile the greedy decode step for `batch`, fill the KV cache with random values (timing
-  on zeros can flatter), and return (step executable, start state). Tokens and positions are
+  """Compile the greedy decode step for `batch`, fill the rows' KV blocks with random values
+  (timing on zeros can flatter), and return (step executable, start state). Tokens and positions are
   donated into each step: callers pass fresh copies per run."""
   if position + 1 >= engine.config.max_seq_len:
     raise ValueError(f"position must be < max_seq_len - 1 ({engine.config.max_seq_len - 1}), "
                      f"got {position}")
   decode = engine.executables.get(("decode", engine.config.buckets.batch_bucket(batch), True))
-  cache = engine.kv_cache.get()
-  key_k, key_v = jax.random.split(jax.random.key(seed))
-  engine.kv_cache.set(jax.device_put(
-      KVCache(k=jax.random.normal(key_k, cache.k.shape, cache.k.dtype),
-              v=jax.random.normal(key_v, cache.v.shape, cache.v.dtype)), cache.k.sharding))
   bucket = engine.config.buckets.batch_bucket(batch)
+  blocks = identity_tables(engine, bucket).size
+  key_k, key_v = jax.random.split(jax.random.key(seed))
+
+  def fill(cache):
+    # The rows' blocks [L, bucket W, C, K, H] in place (the cache is donated: no second copy).
+    shape = cache.k.shape[:1] + (blocks,) + cache.k.shape[2:]
+    return KVCache(k=cache.k.at[:, :blocks].set(jax.random.normal(key_k, shape, cache.k.dtype)),
+                   v=cache.v.at[:, :blocks].set(jax.random.normal(key_v, shape, cache.v.dtype)))
+
+  engine.kv_cache.set(jax.jit(fill, donate_argnums=0)(engine.kv_cache.get()))
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, engine.model_config.vocab_size, (bucket,)).astype(np.int32)
   return decode, DecodeState(*_inputs(engine, (tokens, np.full((bucket,), position, np.int32))))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from cg_jax.profile import identity_tables
 from cg_jax import Buckets, Engine, EngineConfig
 from cg_jax.core import compile_stats
+from cg_jax.core.config import blocks_for_memory
 from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
@@ -322,9 +323,15 @@ def test_kv_blocks_fill_the_memory_share_left_by_weights_and_activations():
     want = free // _block_bytes(config, engine.config.prefix_block) - 1
     assert engine.stats()["kv_blocks"] == engine.config.num_blocks == want
     assert want > 2 * engine.config.table_width + engine.config.prefix_blocks  # above the default
-    # A second engine over the same weights keeps the block count the memory was sized for.
-    assert engine.with_options(readback_lag=0).config.num_blocks == want
     engine.close()
+  # What another engine holds is not free: asking for more than the rest is an error.
+  engine_config = EngineConfig.create(config, max_seq_len=128, batch_buckets=(1, 2),
+                                      prompt_buckets=(16,), gpu_memory_utilization=0.5)
+  assert blocks_for_memory(config, engine_config, 4, 4 * GIB, 2 * GIB) == \
+      (2 * GIB - weights - GIB) // _block_bytes(config, engine_config.prefix_block) - 1
+  with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 asks for 2.00 GiB of the "
+                                       r"device's 4.00 GiB, but only 1.50 GiB are free"):
+    blocks_for_memory(config, engine_config, 4, 4 * GIB, 2.5 * GIB)
 
 
 def test_kv_blocks_given_and_their_errors():

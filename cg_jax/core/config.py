@@ -371,11 +371,11 @@ class EngineConfig:
 
 def blocks_for_memory(model: DecoderConfig, config: EngineConfig, itemsize: int,
                       memory_bytes: int, in_use_bytes: int = 0) -> int:
-  """N for a device of `memory_bytes` with `in_use_bytes` already taken: what
-  `config.gpu_memory_utilization` of it leaves after what is in use, the weights and the
-  activation reserve, in blocks of `config.prefix_block` tokens (one block is the scratch
-  block), per device under tensor parallelism. ValueError naming the options when that is less
-  than one max_seq_len sequence."""
+  """N for a device of `memory_bytes` with `in_use_bytes` already taken: the engine asks for
+  `config.gpu_memory_utilization` of the device (which must be free) and fills what the weights
+  and the activation reserve leave with blocks of `config.prefix_block` tokens (one of them the
+  scratch block), per device under tensor parallelism. ValueError naming the options when the
+  memory is not free or holds less than one max_seq_len sequence."""
   shards = config.tensor_parallel
   block = 2 * model.num_layers * config.prefix_block * model.num_kv_heads * model.head_dim
   block = block * itemsize // shards
@@ -385,17 +385,25 @@ def blocks_for_memory(model: DecoderConfig, config: EngineConfig, itemsize: int,
   width = max(model.hidden_size, 2 * model.intermediate_size)
   reserve = max(MIN_ACTIVATION_RESERVE, ACTIVATION_TENSORS * tokens * width * itemsize // shards
                 + 2 * config.buckets.max_batch * model.vocab_size * 4)
-  free = int(config.gpu_memory_utilization * memory_bytes) - in_use_bytes - weights - reserve
+  gib = 2**30
+  requested = int(config.gpu_memory_utilization * memory_bytes)
+  if requested > memory_bytes - in_use_bytes:
+    raise ValueError(
+        f"gpu_memory_utilization={config.gpu_memory_utilization} asks for {requested / gib:.2f} "
+        f"GiB of the device's {memory_bytes / gib:.2f} GiB, but only "
+        f"{(memory_bytes - in_use_bytes) / gib:.2f} GiB are free (another engine or process "
+        f"holds the rest); lower gpu_memory_utilization, close the other engine, or give "
+        f"kv_blocks")
+  free = requested - weights - reserve
   blocks = free // block - 1
   if blocks < config.table_width:
-    gib = 2**30
     raise ValueError(
         f"the KV cache needs at least {config.table_width} blocks of {block} bytes (one sequence "
         f"of max_seq_len {config.max_seq_len}), but gpu_memory_utilization="
         f"{config.gpu_memory_utilization} of {memory_bytes / gib:.2f} GiB of device memory, less "
-        f"{in_use_bytes / gib:.2f} GiB in use, {weights / gib:.2f} GiB of weights and "
-        f"{reserve / gib:.2f} GiB for activations, leaves {max(free, 0) / gib:.2f} GiB; raise "
-        f"gpu_memory_utilization or lower max_seq_len, or give kv_blocks")
+        f"{weights / gib:.2f} GiB of weights and {reserve / gib:.2f} GiB for activations, "
+        f"leaves {max(free, 0) / gib:.2f} GiB; raise gpu_memory_utilization or lower "
+        f"max_seq_len, or give kv_blocks")
   return blocks
 
 

@@ -36,6 +36,13 @@ class CacheHolder:
     """Keep a step's output cache (its input was donated)."""
     self._device = cache
 
+  def release(self) -> None:
+    """Free the cache's memory, device and host (a later `get` allocates a new one)."""
+    if self._device is not None:
+      for array in (self._device.k, self._device.v):
+        array.delete()
+    self._device = self._host = None
+
   def swap_out(self) -> None:
     """Move the cache to pinned host memory and free its device memory."""
     if self._device is None or self._host is not None:
