@@ -67,6 +67,7 @@ def run(model: str, args, invariant: bool, steps: dict | None) -> dict:
   engine.submit(shared, 2, eos_token_id=[]).result()
   results["prefix_hit"] = _case(engine, target, 0, args, rng)
   hit_tokens = engine.stats()["prefix_cache_hit_tokens"]
+  engine.close()  # frees its KV cache for the next engine's (sized from device memory on a GPU)
   off = Engine.from_pretrained(model, batch_invariant=invariant, prefix_cache_tokens=0, **options)
   results["prefix_off"] = _case(off, target, 0, args, rng)
   off.close()

@@ -86,6 +86,7 @@ def swap_rows(model: str, batch: int, max_seq_len: int) -> list[dict]:
   """Swap-out/in time of a KV cache (default: llama-3.2-1b shape, 8 x 4096 = 1.07 GB)."""
   engine = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=(batch,),
                                   prompt_buckets=(16,), max_seq_len=max_seq_len,
+                                  prefix_block=64, kv_blocks=batch * -(-max_seq_len // 64),
                                   compilation_cache=False)
   engine.warmup(phases=(), progress=False)  # allocates the KV cache only
   size = sum(x.nbytes for x in jax.tree.leaves(engine.kv_cache.get()))
@@ -111,10 +112,13 @@ def swap_overlap_rows(model: str, swap_model: str, swap_batch: int, swap_max_seq
   decode steps; a profile shows how much of the copy time overlaps A's kernels."""
   runner = Engine.from_pretrained(model, dtype="bfloat16", batch_buckets=(1,), prompt_buckets=(16,),
                                   max_seq_len=max_seq_len, graphs="full", layer_loop="unroll",
+                                  prefix_block=64, kv_blocks=-(-max_seq_len // 64),
                                   compilation_cache=False)
   runner.warmup(phases=("decode",), progress=False)
   other = Engine.from_pretrained(swap_model, dtype="bfloat16", batch_buckets=(swap_batch,),
                                  prompt_buckets=(16,), max_seq_len=swap_max_seq_len,
+                                 prefix_block=64,
+                                 kv_blocks=swap_batch * -(-swap_max_seq_len // 64),
                                  compilation_cache=False)
   other.warmup(phases=(), progress=False)  # allocates the KV cache only
   alone = profile.time_decode(runner, 1, position=max_seq_len // 2, steps=32, repeats=3)

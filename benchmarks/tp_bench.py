@@ -98,6 +98,7 @@ def main():
                                       prompt_buckets=sorted({16, args.ttft_len} - {0}),
                                       max_seq_len=args.max_seq_len,
                                       attention="pallas", layer_loop="unroll", graphs="full",
+                                      kv_blocks=max(batches) * -(-args.max_seq_len // 64),
                                       compilation_cache=False)
         references[model] = (base, base.generate(prompt, max_new_tokens=16, eos_token_id=[]),
                              base.logits(ids))

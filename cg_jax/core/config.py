@@ -257,7 +257,9 @@ class EngineConfig:
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
     min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below
     max_seq_len; a prefix cache of 4 x max_seq_len tokens; KV blocks of 64 tokens with the
-    Pallas kernel, else of min(16, max_seq_len - 1); the prompt executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
+    Pallas kernel, else of min(16, max_seq_len - 1), as many as `num_blocks` says unless
+    kv_blocks is given; gpu_memory_utilization DEFAULT_MEMORY_UTILIZATION; the prompt
+    executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
     the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
     min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
     if max_seq_len is None:
