@@ -77,14 +77,15 @@ class Engine:
       prompt_buckets, graphs, readback_lag, prefill_gemm, tensor_parallel, batch_invariant,
       prefix_cache_tokens, prefix_block, kv_blocks, gpu_memory_utilization, compiler_options,
       attention, layer_loop, min_matmul_rows, prefill_attention (a `FlashAttentionConfig`).
-      On a GPU the KV blocks fill `gpu_memory_utilization` (default 0.9) of its memory beside
-      the weights and an activation reserve (`cg_jax.core.config.blocks_for_memory`) unless
-      kv_blocks is given; on the CPU they are `EngineConfig.num_blocks`' default.
+      With gpu_memory_utilization (as vLLM's, e.g. 0.9) the KV blocks fill that share of the
+      device beside the weights and an activation reserve
+      (`cg_jax.core.config.blocks_for_memory`); else kv_blocks, else `EngineConfig.num_blocks`'
+      default.
     compilation_cache: persistent compilation cache directory, True for the user default,
       False to leave it off. The compiled executables are stored there too, serialized: a
       second engine of the same build and configuration starts without compiling.
-    memory_limit_bytes: the device memory to size the KV blocks from and check against
-      (default: what the GPU reports; on the CPU, blocks are not sized from memory unless given).
+    memory_limit_bytes: the device memory to size the KV blocks from (with
+      gpu_memory_utilization) and to check against (default: what the device reports).
     seed: weight-initialisation seed when `weights` is None.
   """
 
@@ -108,8 +109,7 @@ class Engine:
       warnings.warn(f"dtype={dtype} on the CPU is emulated and much slower than float32 (about "
                     f"40x per token with the bundled model); float32 is the CPU default",
                     UserWarning, stacklevel=2)
-    engine_config = self._sized(config, engine_config, memory_limit_bytes,
-                                options.get("gpu_memory_utilization") is not None)
+    engine_config = self._sized(config, engine_config, memory_limit_bytes)
     self.model_config, self.config, self.tokenizer = config, engine_config, tokenizer
     # The options as given, for `with_options` (defaults are resolved again there).
     self._options = dict(options) if given is None else given.options()
@@ -179,7 +179,7 @@ class Engine:
     the queue's size). When this engine's cache is sized from device memory, it is allocated
     first and the new engine's comes from the memory left: give the new one kv_blocks or a
     gpu_memory_utilization that fits."""
-    if self.config.kv_blocks is not None and "kv_blocks" not in self._options:
+    if self.config.gpu_memory_utilization is not None:
       self.kv_cache.get()  # sized from memory: the new engine's blocks come from what is left
     engine = Engine(self.model_config, self.weights(), dtype=self.dtype.name,
                     tokenizer=self.tokenizer, **{**self._options, **options})
@@ -189,20 +189,18 @@ class Engine:
       engine.executables.share(self.executables)
     return engine
 
-  def _sized(self, model: DecoderConfig, config: EngineConfig, limit: int | None,
-             utilization_given: bool) -> EngineConfig:
+  def _sized(self, model: DecoderConfig, config: EngineConfig,
+             limit: int | None) -> EngineConfig:
     """`config` with `kv_blocks` sized from the device's memory (`limit`, else what the GPU
-    reports, less what is in use) when it is None and the size is known."""
+    reports, less what is in use) when gpu_memory_utilization is set."""
+    if config.gpu_memory_utilization is None:
+      return config
     device = jax.local_devices()[0]
     memory = limit if limit is not None else (_device_memory_bytes(device) if on_gpu() else None)
-    if config.kv_blocks is not None:
-      return config
     if memory is None:
-      if utilization_given:
-        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} has no effect "
-                         f"on a {device.platform} device that reports no memory size: give "
-                         f"kv_blocks or memory_limit_bytes")
-      return config
+      raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} has no effect "
+                       f"on a {device.platform} device that reports no memory size: give "
+                       f"kv_blocks or memory_limit_bytes")
     stats = (device.memory_stats() or {}) if limit is None else {}
     in_use = int(stats.get("bytes_in_use", 0))
     return dataclasses.replace(config, kv_blocks=blocks_for_memory(

@@ -324,6 +324,11 @@ def test_kv_blocks_fill_the_memory_share_left_by_weights_and_activations():
     assert engine.stats()["kv_blocks"] == engine.config.num_blocks == want
     assert want > 2 * engine.config.table_width + engine.config.prefix_blocks  # above the default
     engine.close()
+  # Without gpu_memory_utilization the memory size only checks: the blocks are the rows' tables
+  # and the prefix cache's.
+  default = Engine(config, memory_limit_bytes=2 * GIB, max_seq_len=128, batch_buckets=(1, 2),
+                   prompt_buckets=(16,)).config
+  assert default.num_blocks == 2 * default.table_width + default.prefix_blocks
   # What another engine holds is not free: asking for more than the rest is an error.
   engine_config = EngineConfig.create(config, max_seq_len=128, batch_buckets=(1, 2),
                                       prompt_buckets=(16,), gpu_memory_utilization=0.5)
@@ -350,8 +355,8 @@ def test_kv_blocks_given_and_their_errors():
       (dict(gpu_memory_utilization=0.5), r"gpu_memory_utilization=0.5 has no effect on a cpu "
                                          r"device that reports no memory size"),
       (dict(gpu_memory_utilization=1.5, memory_limit_bytes=GIB),
-       r"gpu_memory_utilization must be a number in \(0, 1\], got 1.5"),
-      (dict(memory_limit_bytes=GIB), r"needs at least 8 blocks .*gpu_memory_utilization=0.9 of "
+       r"gpu_memory_utilization must be None or a number in \(0, 1\], got 1.5"),
+      (dict(memory_limit_bytes=GIB, gpu_memory_utilization=0.9), r"needs at least 8 blocks .*gpu_memory_utilization=0.9 of "
                                      r"1.00 GiB .*raise gpu_memory_utilization"),
   ]
   for options, match in cases:

@@ -45,9 +45,6 @@ MAX_MATMUL_ROWS = 64
 INVARIANT_CHUNK = 256
 # The KV-cache length when max_seq_len is not given: min(model context, DEFAULT_MAX_SEQ_LEN).
 DEFAULT_MAX_SEQ_LEN = 2048
-# The share of the device's memory an engine fills (weights, KV cache, activations) when its KV
-# blocks are sized from memory, as vLLM's gpu_memory_utilization.
-DEFAULT_MEMORY_UTILIZATION = 0.9
 # Kept free beside the weights and the cache for the executables' activations and workspace: at
 # least this, or ACTIVATION_TENSORS tensors as wide as the MLP over the largest prompt call.
 MIN_ACTIVATION_RESERVE = 1 << 30
@@ -144,10 +141,12 @@ class EngineConfig:
     `create` turns it on). With `kv_blocks` set, any block no request holds keeps its prefix
     until it is needed, and only 0 versus not 0 matters.
   kv_blocks: N, the paged cache's blocks (at least one max_seq_len sequence's); None: a full
-    block table per row of the largest batch bucket plus the prefix cache's. `Engine` sets it
-    from the device's memory (`blocks_for_memory`) when the device reports its size.
-  gpu_memory_utilization: the share of the device's memory the engine may fill when it sizes
-    `kv_blocks` from memory (weights, cache and the activation reserve), in (0, 1].
+    block table per row of the largest batch bucket plus the prefix cache's.
+  gpu_memory_utilization: None, or the share of the device's memory the engine asks for (it
+    must be free), in (0, 1]: `Engine` then sets kv_blocks to what the weights and the
+    activation reserve leave of it (`blocks_for_memory`). Off by default: a cache that fills
+    the H200 made a 512-token prompt's first token 7% later than one sized for the rows
+    (benchmarks/results/paged_engine_v2_h200.md).
   prefix_block: tokens per KV-cache block C, the paged cache's page and the prefix cache's unit
     (a prefix is shared in whole blocks); with the Pallas kernel a power of two >= 16.
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
@@ -170,7 +169,7 @@ class EngineConfig:
   prefix_cache_tokens: int = 0
   prefix_block: int = 16
   kv_blocks: int | None = None
-  gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
+  gpu_memory_utilization: float | None = None
   compiler_options: tuple[tuple[str, Any], ...] = ()
   batch_invariant: bool = False
 
@@ -208,9 +207,9 @@ class EngineConfig:
                        f"max_seq_len {self.max_seq_len} in blocks of {self.prefix_block}), got "
                        f"{self.kv_blocks!r}")
     utilization = self.gpu_memory_utilization
-    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not (
-        0 < utilization <= 1):
-      raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got "
+    if utilization is not None and (isinstance(utilization, bool) or not isinstance(
+        utilization, (int, float)) or not 0 < utilization <= 1):
+      raise ValueError(f"gpu_memory_utilization must be None or a number in (0, 1], got "
                        f"{utilization!r}")
     if not _is_int(self.tensor_parallel):  # its range depends on the devices: `check_model`
       raise ValueError(f"tensor_parallel must be an int, got {self.tensor_parallel!r}")
@@ -258,7 +257,7 @@ class EngineConfig:
     min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below
     max_seq_len; a prefix cache of 4 x max_seq_len tokens; KV blocks of 64 tokens with the
     Pallas kernel, else of min(16, max_seq_len - 1), as many as `num_blocks` says unless
-    kv_blocks is given; gpu_memory_utilization DEFAULT_MEMORY_UTILIZATION; the prompt
+    kv_blocks or gpu_memory_utilization is given; the prompt
     executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
     the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
     min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
@@ -295,8 +294,7 @@ class EngineConfig:
         graphs=graphs, readback_lag=readback_lag, prefill_gemm=prefill_gemm,
         tensor_parallel=tensor_parallel, max_waiting=max_waiting,
         prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block, kv_blocks=kv_blocks,
-        gpu_memory_utilization=(DEFAULT_MEMORY_UTILIZATION if gpu_memory_utilization is None
-                                else gpu_memory_utilization),
+        gpu_memory_utilization=gpu_memory_utilization,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
         batch_invariant=batch_invariant)
     config.check_model(model)
@@ -354,8 +352,8 @@ class EngineConfig:
                 readback_lag=self.readback_lag, prefill_gemm=self.prefill_gemm,
                 tensor_parallel=self.tensor_parallel, max_waiting=self.max_waiting,
                 prefix_cache_tokens=self.prefix_cache_tokens, prefix_block=self.prefix_block,
-                kv_blocks=self.kv_blocks, gpu_memory_utilization=(
-                    None if self.kv_blocks is not None else self.gpu_memory_utilization),
+                kv_blocks=None if self.gpu_memory_utilization is not None else self.kv_blocks,
+                gpu_memory_utilization=self.gpu_memory_utilization,
                 compiler_options=dict(self.compiler_options),
                 batch_invariant=self.batch_invariant, attention=f.attention,
                 layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
