@@ -356,8 +356,9 @@ def test_kv_blocks_given_and_their_errors():
                                          r"device that reports no memory size"),
       (dict(gpu_memory_utilization=1.5, memory_limit_bytes=GIB),
        r"gpu_memory_utilization must be None or a number in \(0, 1\], got 1.5"),
-      (dict(memory_limit_bytes=GIB, gpu_memory_utilization=0.9), r"needs at least 8 blocks .*gpu_memory_utilization=0.9 of "
-                                     r"1.00 GiB .*raise gpu_memory_utilization"),
+      (dict(memory_limit_bytes=GIB, gpu_memory_utilization=0.9),
+       r"needs at least 8 blocks .*gpu_memory_utilization=0.9 of 1.00 GiB .*raise "
+       r"gpu_memory_utilization"),
   ]
   for options, match in cases:
     with pytest.raises(ValueError, match=match):
