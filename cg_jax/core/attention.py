@@ -199,11 +199,14 @@ class PagedAttention:
       x = jnp.pad(x, ((0, 0), (0, pages * page_size - size), (0, 0), (0, 0)))
       return x.reshape(batch, pages, page_size, *x.shape[2:])
 
-    # [B, P]: the block of each page that holds a real token, else one past the cache (dropped)
+    # [B, P]: the block of each page that holds a real token (a fresh prompt's own: no two rows
+    # share one), else an index past the cache of its own (dropped). Unique indices let XLA
+    # store without atomics.
     used = jnp.arange(pages)[None, :] * page_size < lengths[:, None]
-    table = jnp.where(used, self.tables[:, :pages], num_blocks)
-    return (k_all.at[layer, table].set(blocks(k), mode="drop"),
-            v_all.at[layer, table].set(blocks(v), mode="drop"))
+    past = num_blocks + jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+    table = jnp.where(used, self.tables[:, :pages], past)
+    return (k_all.at[layer, table].set(blocks(k), mode="drop", unique_indices=True),
+            v_all.at[layer, table].set(blocks(v), mode="drop", unique_indices=True))
 
   def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only):
     batch, size, heads, head_dim = q.shape

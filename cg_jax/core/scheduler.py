@@ -357,10 +357,13 @@ class Scheduler:
     done = [(live, int(tokens[b]), None if scores is None else scores[b]) for b, live in done]
     for live, _, _ in done:
       live.position, live.decoding = len(live.prompt), True
-      # The call that wrote its keys runs before any later call that reads them.
-      self.planner.commit(live)
       self._inputs = None
     self._deliver(done)
+    # Their full blocks become shareable once the first tokens are out (hashing them is off the
+    # first token's path); the call that wrote their keys runs before any later call that reads
+    # them.
+    for live, _, _ in done:
+      self.planner.commit(live)
 
   def _deliver(self, new: list[tuple[_Live, int, np.ndarray | None]]) -> None:
     """One step's new tokens (with their scores, or None): emitted to their groups (one event
