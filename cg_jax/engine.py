@@ -109,6 +109,7 @@ class Engine:
       warnings.warn(f"dtype={dtype} on the CPU is emulated and much slower than float32 (about "
                     f"40x per token with the bundled model); float32 is the CPU default",
                     UserWarning, stacklevel=2)
+    self._memory_limit = memory_limit_bytes
     engine_config = self._sized(config, engine_config, memory_limit_bytes)
     self.model_config, self.config, self.tokenizer = config, engine_config, tokenizer
     # The options as given, for `with_options` (defaults are resolved again there).
@@ -182,9 +183,11 @@ class Engine:
     if self.config.gpu_memory_utilization is not None:
       self.kv_cache.get()  # sized from memory: the new engine's blocks come from what is left
     engine = Engine(self.model_config, self.weights(), dtype=self.dtype.name,
-                    tokenizer=self.tokenizer, **{**self._options, **options})
+                    tokenizer=self.tokenizer, memory_limit_bytes=self._memory_limit,
+                    **{**self._options, **options})
     host_only = {"readback_lag": 0, "max_waiting": 0}
-    mine, theirs = self.config.options() | host_only, engine.config.options() | host_only
+    mine, theirs = ({**e.config.options(), **host_only, "kv_blocks": e.config.num_blocks}
+                    for e in (self, engine))
     if mine == theirs:
       engine.executables.share(self.executables)
     return engine

@@ -323,6 +323,12 @@ def test_kv_blocks_fill_the_memory_share_left_by_weights_and_activations():
     want = free // _block_bytes(config, engine.config.prefix_block) - 1
     assert engine.stats()["kv_blocks"] == engine.config.num_blocks == want
     assert want > 2 * engine.config.table_width + engine.config.prefix_blocks  # above the default
+    # Another engine over the same weights sizes its blocks from the same memory (here given,
+    # nothing in use), so it shares the executables compiled for that cache.
+    other = engine.with_options(readback_lag=0)
+    assert other.config.num_blocks == want and other.executables.compiled is \
+        engine.executables.compiled
+    other.close()
     engine.close()
   # Without gpu_memory_utilization the memory size only checks: the blocks are the rows' tables
   # and the prefix cache's.
