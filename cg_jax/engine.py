@@ -207,7 +207,7 @@ class Engine:
     stats = (device.memory_stats() or {}) if limit is None else {}
     in_use = int(stats.get("bytes_in_use", 0))
     return dataclasses.replace(config, kv_blocks=blocks_for_memory(
-        model, config, self.dtype.itemsize, memory, in_use))
+        model, config, self.dtype, memory, in_use))
 
   def _check_memory(self, limit: int | None) -> None:
     config, engine = self.model_config, self.config

@@ -338,11 +338,11 @@ def test_kv_blocks_fill_the_memory_share_left_by_weights_and_activations():
   # What another engine holds is not free: asking for more than the rest is an error.
   engine_config = EngineConfig.create(config, max_seq_len=128, batch_buckets=(1, 2),
                                       prompt_buckets=(16,), gpu_memory_utilization=0.5)
-  assert blocks_for_memory(config, engine_config, 4, 4 * GIB, 2 * GIB) == \
+  assert blocks_for_memory(config, engine_config, "float32", 4 * GIB, 2 * GIB) == \
       (2 * GIB - weights - GIB) // _block_bytes(config, engine_config.prefix_block) - 1
   with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 asks for 2.00 GiB of the "
                                        r"device's 4.00 GiB, but only 1.50 GiB are free"):
-    blocks_for_memory(config, engine_config, 4, 4 * GIB, 2.5 * GIB)
+    blocks_for_memory(config, engine_config, "float32", 4 * GIB, 2.5 * GIB)
 
 
 def test_kv_blocks_given_and_their_errors():

@@ -25,7 +25,7 @@ from cg_jax.core.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.core.sharding import check_tensor_parallel
 from cg_jax.kernels.flash_attention import FlashAttentionConfig
 from models.config import DecoderConfig
-from models.decoder import LAYER_LOOPS
+from models.decoder import LAYER_LOOPS, cache_bytes
 
 ATTENTION_BACKENDS = ("xla", "pallas")
 # Largest readback lag and matmul row padding accepted.
@@ -369,16 +369,16 @@ class EngineConfig:
     return out
 
 
-def blocks_for_memory(model: DecoderConfig, config: EngineConfig, itemsize: int,
+def blocks_for_memory(model: DecoderConfig, config: EngineConfig, dtype,
                       memory_bytes: int, in_use_bytes: int = 0) -> int:
   """N for a device of `memory_bytes` with `in_use_bytes` already taken: the engine asks for
   `config.gpu_memory_utilization` of the device (which must be free) and fills what the weights
   and the activation reserve leave with blocks of `config.prefix_block` tokens (one of them the
   scratch block), per device under tensor parallelism. ValueError naming the options when the
-  memory is not free or holds less than one max_seq_len sequence."""
-  shards = config.tensor_parallel
-  block = 2 * model.num_layers * config.prefix_block * model.num_kv_heads * model.head_dim
-  block = block * itemsize // shards
+  memory is not free or holds less than one max_seq_len sequence (`dtype`: the weights' and
+  the cache's)."""
+  shards, itemsize = config.tensor_parallel, jax.numpy.dtype(dtype).itemsize
+  block = cache_bytes(model, 1, config.prefix_block, dtype) // shards
   weights = model.num_parameters() * itemsize // shards
   # The largest prompt call's tokens, and the float32 logits of the largest batch.
   tokens = config.buckets.max_batch * config.buckets.max_prompt_len
