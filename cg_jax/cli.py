@@ -70,6 +70,7 @@ SERVE_FLAGS = {
     "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
     "batch_buckets": "--batch-buckets", "batch_sizes": "--batch-buckets",
     "prompt_buckets": "--prompt-buckets", "max_waiting": "--max-waiting",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
     "request_timeout": "--request-timeout", "batch_invariant": "--batch-invariant"}
 PROFILE_FLAGS = {
     "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
@@ -77,7 +78,7 @@ PROFILE_FLAGS = {
 BENCH_FLAGS = {
     "max_seq_len": "--max-seq-len", "batch_buckets": "--batch-buckets",
     "batch_sizes": "--batch-buckets", "prompt_buckets": "--prompt-buckets",
-    "max_new_tokens": "--output-len"}
+    "max_num_batched_tokens": "--max-num-batched-tokens", "max_new_tokens": "--output-len"}
 # `bench` subcommand -> its module (`add_arguments(parser)`, `run(args) -> list[Row]`).
 BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "serve": bench_serve,
            "startup": bench_startup}
@@ -154,8 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
   srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
   _engine_flags(srv, "the largest is the number of requests decoded together")
   srv.add_argument("--prompt-buckets", type=_int_list, default=None,
-                   help="prompt chunk lengths to compile, comma separated; None = powers of two "
-                        "from 16 below --max-seq-len")
+                   help="prompt lengths of the scoring executables (echo with logprobs), comma "
+                        "separated; None = powers of two from 16 below --max-seq-len")
+  srv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens one engine step takes at most (the step executables' "
+                        "largest token bucket); None = 2048 on a GPU, 256 elsewhere")
   srv.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait for a slot; more are answered 429")
   srv.add_argument("--request-timeout", type=float, default=None,
@@ -392,6 +396,7 @@ def serve(args) -> int:
     return launch.serve_model(
         args.model, sock=sock, served_model_name=args.served_model_name,
         engine_options=dict(prompt_buckets=args.prompt_buckets, max_waiting=args.max_waiting,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
                             **_engine_options(args)),
         api_servers=args.api_servers, request_timeout=args.request_timeout,
         graceful_timeout=args.graceful_timeout, log_level=args.log_level)

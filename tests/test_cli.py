@@ -126,17 +126,18 @@ def test_model_name_from_local_hf_cache(tmp_path, checkpoint, monkeypatch):
 
 def test_persistent_cache_serves_the_second_start(tmp_path):
   script = ("import json, sys; from cg_jax import Engine; from cg_jax.core import compile_stats;"
-            "e = Engine.from_pretrained('tiny-gpt2', batch_buckets=tuple(map(int, sys.argv[1:])),"
-            " prompt_buckets=(8,));"
+            "e = Engine.from_pretrained('tiny-gpt2', batch_buckets=(1,), prompt_buckets=(8,),"
+            " max_num_batched_tokens=int(sys.argv[1]));"
             "e.warmup(progress=False); s = e.stats();"
             "s['tokens'] = list(e.generate([[3, 4, 5]], 6, eos_token_id=[]));"
             "print(json.dumps(s))")
   env = dict(os.environ, JAX_PLATFORMS="cpu", CG_JAX_COMPILATION_CACHE=str(tmp_path / "xla"))
   runs = []
-  # The same build twice, then a build with one more batch bucket twice: its batch-1
-  # executables come from XLA's cache (the first build compiled them), the others are compiled.
-  for buckets in (["1"], ["1"], ["1", "2"], ["1", "2"]):
-    done = subprocess.run([sys.executable, "-c", script, *buckets], capture_output=True,
+  # The same build twice, then a build with one more token bucket (16, 32) twice: the
+  # executables of the first build come from XLA's cache (the first build compiled them), the
+  # 32-token step is compiled.
+  for budget in ("16", "16", "32", "32"):
+    done = subprocess.run([sys.executable, "-c", script, budget], capture_output=True,
                           text=True, cwd=ROOT, env=env)
     assert done.returncode == 0, f"start {len(runs) + 1} failed:\n{done.stderr[-4000:]}"
     runs.append(json.loads(done.stdout))
@@ -147,7 +148,7 @@ def test_persistent_cache_serves_the_second_start(tmp_path):
   assert runs[1]["executables_loaded"] == runs[1]["executables"] > 0
   assert runs[1]["compiles_total"] < runs[0]["compiles_total"]
   # Executables that XLA's cache supplied are not stored again (on the CPU such a copy loads
-  # without its kernels and fails when run): the last start loads the new bucket's executables
+  # without its kernels and fails when run): the last start loads the new bucket's executable
   # and takes the rest from XLA's cache.
   assert runs[2]["persistent_cache_hits"] > 0 and runs[2]["executables_loaded"] == 0
   assert 0 < runs[3]["executables_loaded"] < runs[3]["executables"]

@@ -17,7 +17,8 @@ from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
 
-ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32))
+ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32),
+                      max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -116,18 +117,22 @@ def test_compile_counter_counts(engine):
 
 
 def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
-  """The tokens a prompt call and a decode step hand to the host are written to pinned host
-  memory by the executables themselves (no transfer of their own on the read-back path:
+  """The tokens a step and a decode step hand to the host are written to pinned host memory by
+  the executables themselves (no transfer of their own on the read-back path:
   results/ttft_host_path_h200.md); logits and the donated state stay on the device."""
-  buckets, table = engine.config.buckets, engine.executables
-  batch, length = buckets.batch_sizes[0], buckets.prompt_lengths[0]
-  weights, ones = table.steps.split.weights, np.ones((batch,), np.int32)
+  config, table = engine.config, engine.executables
+  rows, size = config.step_rows, config.token_buckets[0]
+  weights, ones = table.steps.split.weights, np.ones((1,), np.int32)
+  # One request of `size` tokens in the step's first row, the others empty.
+  counts = np.zeros((rows,), np.int32)
+  counts[0] = size
+  starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
   with engine._scheduler.exclusive():
-    tables = identity_tables(engine, batch)
-    new, logits, cache = table.get(("prompts", batch, length))(
-        weights, engine.kv_cache.get(), np.ones((batch, length), np.int32), ones, tables)
-    tokens, _, cache, emitted = table.get(("decode", batch, True))(
-        weights, cache, np.asarray(new), ones, tables, None)
+    new, logits, cache = table.get(("step", size))(
+        weights, engine.kv_cache.get(), np.ones((size,), np.int32), identity_tables(engine, rows),
+        starts, counts, counts)
+    tokens, _, cache, emitted = table.get(("decode", 1, True))(
+        weights, cache, np.asarray(new)[:1], ones * size, identity_tables(engine, 1), None)
     engine.kv_cache.set(cache)
   assert new.sharding.memory_kind == emitted.sharding.memory_kind == "pinned_host"
   assert logits.sharding.memory_kind == tokens.sharding.memory_kind == "device"
@@ -221,15 +226,15 @@ def test_stats_are_reported(engine):
 
 
 def test_every_row_has_its_time_to_first_token(engine):
-  # The 40-token prompt is prefilled in two chunks (32 + 8): its first token comes a step after
-  # the short prompts', which fit one chunk.
-  result = engine.generate(_prompts(8, [40, 3, 20]), max_new_tokens=5, eos_token_id=[])
+  # Steps of 32 tokens: the 40-token prompt is prefilled in two (9 tokens beside the short
+  # prompts, then 31): its first token comes a step after theirs.
+  result = engine.generate(_prompts(8, [3, 20, 40]), max_new_tokens=5, eos_token_id=[])
   stats = result.stats
   rows = stats["ttft_s_rows"]
   assert len(rows) == 3
   assert min(rows) == stats["ttft_s"] and stats["ttft_s_last"] == max(rows)
   assert all(stats["ttft_s"] <= t <= stats["total_s"] for t in rows)
-  assert rows[0] > stats["ttft_s"]
+  assert rows[2] > stats["ttft_s"] == rows[0] == rows[1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -464,7 +469,7 @@ def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
 
   monkeypatch.setattr(engine.executables, "lower", Recording)
   tokens = engine.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[])
-  assert seen["prompts"]["xla_gpu_enable_triton_gemm"] is False
+  assert seen["step"]["xla_gpu_enable_triton_gemm"] is False
   assert "xla_gpu_enable_triton_gemm" not in seen["decode"]
   assert seen["decode"] == engine.config.xla_options
   reference = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,),

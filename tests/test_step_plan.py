@@ -1,6 +1,6 @@
-"""The scheduler's policy without a device: the planner's plans for prompts, chunks, decode
-batches, row compaction, admission by blocks, prefix-cache hits by shared blocks and
-batch-invariant engines, against a fake executable table (nothing compiles); the planner module
+"""The scheduler's policy without a device: the planner's plans for token-budgeted steps of
+prompt chunks, decode batches, row compaction, admission by blocks, prefix-cache hits by shared
+blocks and batch-invariant engines, from a fake config (nothing compiles); the planner module
 imports no jax."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import types
 
 from cg_jax.core.block_pool import BlockPool
 from cg_jax.core.buckets import Buckets
-from cg_jax.core.step_plan import ChunkPlan, DecodePlan, MovePlan, PlanConfig, Planner
+from cg_jax.core.step_plan import DecodePlan, MovePlan, PlanConfig, Planner, StepPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,23 +39,12 @@ class Request:
   finished: bool = False
 
 
-class FakeTable:
-  """The one field of an `ExecutableTable` the plan config reads."""
-
-  def __init__(self, prompt_batches):
-    self._batches = prompt_batches
-
-  def prompt_batches(self):
-    return self._batches
-
-
-def _planner(batch_sizes=(1, 2, 4, 8), prompt_lengths=(8, 16), prompt_batches=(1, 2, 4, 8),
-             batch_invariant=False, prefix=False, blocks=64, **fields):
-  config = types.SimpleNamespace(buckets=Buckets(batch_sizes, prompt_lengths), prefix_block=4,
-                                 max_seq_len=64, batch_invariant=batch_invariant,
+def _planner(batch_sizes=(1, 2, 4, 8), token_buckets=(8, 16, 32), batch_invariant=False,
+             prefix=False, blocks=64):
+  config = types.SimpleNamespace(buckets=Buckets(batch_sizes, (8,)), token_buckets=token_buckets,
+                                 prefix_block=4, max_seq_len=64, batch_invariant=batch_invariant,
                                  prefix_blocks=int(prefix))
-  plan_config = PlanConfig.of(config, FakeTable(prompt_batches))
-  return Planner(dataclasses.replace(plan_config, **fields), BlockPool(blocks, 4))
+  return Planner(PlanConfig.of(config), BlockPool(blocks, 4))
 
 
 def _slots(*requests):
@@ -64,12 +53,12 @@ def _slots(*requests):
   return list(requests)
 
 
-def _run(chunk: ChunkPlan | None, slots) -> None:
-  """What the engine thread does to the host state with a prompt call (first token: 1)."""
-  if chunk is not None:
-    for slot, count in zip(chunk.slots, chunk.counts):
+def _run(step: StepPlan | None, slots) -> None:
+  """What the engine thread does to the host state with a step (first token: 1)."""
+  if step is not None:
+    for slot, count in zip(step.slots, step.counts):
       slots[slot].prefilled += count
-    for slot in chunk.done:
+    for slot in step.done:
       live = slots[slot]
       live.decoding, live.position, live.emitted = True, len(live.prompt), 1
 
@@ -79,53 +68,58 @@ def _decoding(length, emitted=1, **fields):
                  emitted=emitted, **fields)
 
 
-def test_a_lone_short_prompt_takes_the_smallest_prompt_bucket():
+def test_a_lone_short_prompt_takes_the_smallest_token_bucket():
   slots = _slots(Request([5, 6, 7, 8, 9]))
-  assert _planner().prefill(slots) == ChunkPlan("prompts", rows=1, size=8, slots=(0,),
-                                                starts=(0,), counts=(5,), done=(0,))
+  assert _planner().step(slots) == StepPlan(tokens=8, rows=8, slots=(0,), starts=(0,),
+                                            counts=(5,), done=(0,))
 
 
-def test_waiting_prompts_share_one_call_of_the_batch_bucket_that_holds_them():
+def test_waiting_prompts_share_one_step_unpadded_up_to_the_token_budget():
   slots = _slots(Request([1] * 5), Request([2] * 12), Request([3] * 3, settings=SAMPLED))
-  chunk = _planner().prefill(slots)
-  assert chunk == ChunkPlan("prompts", rows=4, size=16, slots=(0, 1, 2), starts=(0, 0, 0),
-                            counts=(5, 12, 3), done=(0, 1, 2), sample=True)
-  assert chunk.keys == (("prompts", 4, 16), ("first", 4, False))
-  # The padded-token budget (2 largest buckets: 32 tokens) stops the group at 2 rows of 16.
-  assert _planner(prefill_tokens=2).prefill(slots).slots == (0, 1)
-  # A prompt-batch bucket bounds the group too.
-  assert _planner(prompt_batches=(1, 2)).prefill(slots).key == ("prompts", 2, 16)
+  step = _planner().step(slots)
+  # 20 tokens end to end: the 32-token bucket, no prompt padded to a bucket of its own.
+  assert step == StepPlan(tokens=32, rows=8, slots=(0, 1, 2), starts=(0, 0, 0),
+                          counts=(5, 12, 3), done=(0, 1, 2), sample=True)
+  assert step.keys == (("step", 32), ("first", 8, False))
+  # A budget of 16 tokens: the second prompt's first 11 tokens, the third waits.
+  step = _planner(token_buckets=(8, 16)).step(slots)
+  assert (step.tokens, step.slots, step.counts, step.done) == (16, (0, 1), (5, 11), (0,))
+  assert not step.sample
 
 
 def test_new_prompts_need_not_hold_consecutive_rows():
-  # Rows 0 and 3 decode: the new prompts of rows 1, 2 and 4 share one call (each row writes
-  # its own blocks; padding rows write nothing).
+  # Rows 0 and 3 decode: the new prompts of rows 1, 2 and 4 share one step (each row writes
+  # its own blocks).
   slots = _slots(_decoding(4), Request([1] * 3), Request([2] * 3), _decoding(5), Request([3] * 3))
-  chunk = _planner().prefill(slots)
-  assert (chunk.key, chunk.slots) == (("prompts", 4, 8), (1, 2, 4))
+  step = _planner().step(slots)
+  assert (step.key, step.slots, step.counts) == (("step", 16), (1, 2, 4), (3, 3, 3))
 
 
-def test_a_long_prompt_is_chunked_between_decode_steps():
-  planner = _planner()
+def test_a_long_prompt_is_chunked_by_the_token_budget_between_decode_steps():
+  planner = _planner(token_buckets=(8, 16))
   slots = _slots(_decoding(4, max_new_tokens=8), Request(list(range(40))))
   plans = []
   for _ in range(3):
-    chunk = planner.prefill(slots)
-    _run(chunk, slots)
-    plans.append((chunk, planner.decode(slots, in_flight=0)))
+    step = planner.step(slots)
+    _run(step, slots)
+    plans.append((step, planner.decode(slots, in_flight=0)))
   decode_one = DecodePlan(batch=2, slots=(0,), greedy=True, scored=False)
   assert plans == [
-      (ChunkPlan("prompts", 1, 16, (1,), (0,), (16,), ()), decode_one),
-      (ChunkPlan("chunk", 1, 16, (1,), (16,), (16,), ()), decode_one),
-      (ChunkPlan("chunk", 1, 8, (1,), (32,), (8,), (1,)),
+      (StepPlan(16, 8, (1,), (0,), (16,), ()), decode_one),
+      (StepPlan(16, 8, (1,), (16,), (16,), ()), decode_one),
+      (StepPlan(8, 8, (1,), (32,), (8,), (1,)),
        DecodePlan(batch=2, slots=(0, 1), greedy=True, scored=False))]
-  assert planner.prefill(slots) is None
+  assert planner.step(slots) is None
 
 
 def test_started_prompts_take_their_chunks_before_new_prompts_start():
   slots = _slots(Request([1] * 30, prefilled=16), Request([2] * 5), Request([3] * 20, prefilled=8))
-  assert _planner().prefill(slots) == ChunkPlan("chunk", rows=2, size=16, slots=(0, 2),
-                                                starts=(16, 8), counts=(14, 12), done=(0, 2))
+  assert _planner().step(slots) == StepPlan(tokens=32, rows=8, slots=(0, 2, 1),
+                                            starts=(16, 8, 0), counts=(14, 12, 5),
+                                            done=(0, 2, 1))
+  # With 16 tokens the first started prompt takes 14, the second the last 2.
+  assert _planner(token_buckets=(16,)).step(slots) == StepPlan(16, 8, (0, 2), (16, 8), (14, 2),
+                                                               (0,))
 
 
 def test_decode_takes_the_smallest_batch_bucket_over_the_occupied_slots():
@@ -189,8 +183,8 @@ def test_a_prefix_hit_shares_the_cached_blocks_and_skips_their_tokens():
   # The same three blocks (no copy), then fresh ones for the rest of its life (20 tokens).
   assert hit.blocks[:3] == admission.blocks[:3] and hit.cached == 12 and len(hit.blocks) == 5
   second.blocks, second.prefilled = list(hit.blocks), hit.cached
-  assert planner.prefill(_slots(second)) == ChunkPlan("chunk", rows=1, size=8, slots=(0,),
-                                                      starts=(12,), counts=(4,), done=(0,))
+  assert planner.step(_slots(second)) == StepPlan(tokens=8, rows=8, slots=(0,), starts=(12,),
+                                                  counts=(4,), done=(0,))
   assert planner.pool.stats()["prefix_cache_hits"] == 1
   # With the prefix cache off, nothing is shared.
   off = _planner()
@@ -201,8 +195,8 @@ def test_a_prefix_hit_shares_the_cached_blocks_and_skips_their_tokens():
 
 
 def test_batch_invariant_plans_one_prompt_per_call_in_whole_chunks():
-  planner = _planner(batch_sizes=(1, 2, 4), prompt_lengths=(8,), prompt_batches=(1,),
-                     batch_invariant=True, prefix=True)
+  planner = _planner(batch_sizes=(1, 2, 4), token_buckets=(8,), batch_invariant=True,
+                     prefix=True)
   cached = list(range(10, 22))  # 3 blocks: one whole chunk of 8 tokens and a half
   owner = Request(cached + [0])
   owner.blocks = list(planner.admit([owner], 0)[0].blocks)
@@ -214,12 +208,12 @@ def test_batch_invariant_plans_one_prompt_per_call_in_whole_chunks():
                                                        admission.cached)
   assert [r.prefilled for r in slots] == [8, 0]  # the hit in whole chunks
   chunks = []
-  while (chunk := planner.prefill(slots)) is not None:
-    chunks.append(chunk)
-    _run(chunk, slots)
-  assert chunks == [ChunkPlan("chunk", 1, 8, (0,), (8,), (8,), ()),
-                    ChunkPlan("chunk", 1, 8, (0,), (16,), (3,), (0,)),
-                    ChunkPlan("prompts", 1, 8, (1,), (0,), (5,), (1,))]
+  while (step := planner.step(slots)) is not None:
+    chunks.append(step)
+    _run(step, slots)
+  # One request per step, in steps of the one bucket.
+  assert chunks == [StepPlan(8, 4, (0,), (8,), (8,), ()), StepPlan(8, 4, (0,), (16,), (3,), (0,)),
+                    StepPlan(8, 4, (1,), (0,), (5,), (1,))]
   # Decode steps take the batch bucket of the occupied slots (the executables pad their
   # products to the largest one).
   assert planner.decode(slots, 0) == DecodePlan(batch=2, slots=(0, 1), greedy=True,
@@ -227,10 +221,13 @@ def test_batch_invariant_plans_one_prompt_per_call_in_whole_chunks():
 
 
 def test_completing_rows_that_ask_for_logprobs_score_their_first_token():
-  slots = _slots(Request([1] * 20, logprobs=3), Request([2] * 4, logprobs=3))
-  chunk = _planner().prefill(slots)
-  assert (chunk.done, chunk.scored) == ((1,), True)
-  assert chunk.keys == (("prompts", 2, 16), ("token_logprobs", 2))
+  slots = _slots(Request([1] * 4), Request([2] * 40, logprobs=3))
+  step = _planner().step(slots)
+  assert (step.counts, step.done, step.scored) == ((4, 28), (0,), False)
+  _run(step, slots)
+  step = _planner().step(slots)
+  assert (step.counts, step.done, step.scored) == ((12,), (1,), True)
+  assert step.keys == (("step", 16), ("token_logprobs", 8))
 
 
 def test_the_planner_imports_no_jax():

@@ -18,7 +18,8 @@ MODEL_HELP = ("checkpoint directory, bundled model, preset name (random weights)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
-  """--model, (--dtype,) --max-seq-len, --batch-buckets and --prompt-buckets."""
+  """--model, (--dtype,) --max-seq-len, --batch-buckets, --prompt-buckets and
+  --max-num-batched-tokens."""
   parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
   if dtype:
     parser.add_argument("--dtype", default=None, choices=DTYPES,
@@ -30,8 +31,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) 
   parser.add_argument("--batch-buckets", default=None,
                       help="batch sizes to compile, comma separated; None = see each benchmark")
   parser.add_argument("--prompt-buckets", default=None,
-                      help="prompt chunk lengths to compile, comma separated; None = see each "
-                           "benchmark")
+                      help="prompt lengths of the static prefill and scoring executables, comma "
+                           "separated; None = see each benchmark")
+  parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                      help="prompt tokens one engine step takes at most; None = the engine's "
+                           "default")
 
 
 def integer(flag: str, value: int | None, minimum: int = 1, maximum: int | None = None,
@@ -108,6 +112,9 @@ def engine_options(args, batch_buckets: Sequence[int] | None,
     options["prompt_buckets"] = tuple(prompt_buckets)
   if getattr(args, "dtype", None) is not None:
     options["dtype"] = args.dtype
+  if getattr(args, "max_num_batched_tokens", None) is not None:
+    options["max_num_batched_tokens"] = integer("--max-num-batched-tokens",
+                                                args.max_num_batched_tokens)
   return options
 
 

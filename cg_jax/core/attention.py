@@ -13,7 +13,10 @@ contract and the plain-XLA reference).
                    block table; the ragged paged kernel (one call per layer, the cache write
                    fused; its decode specialization for decode steps), except fresh prompts
                    (flash kernel, pages written by a scatter), or gathered pages with XLA ops.
-                   The engine's cache-using steps.
+                   The decode steps and the static prefill.
+  RaggedAttention  an engine step's `extend`: one row of A tokens that holds many requests'
+                   chunks end to end, each at its own cache offset over its own block table;
+                   the ragged paged kernel, or its jnp reference.
 
 `for_forward(config, mesh)` picks the cache-free implementation of a `ForwardConfig` and
 `paged_for_forward(config, mesh)` its paged one (tables given per call).
@@ -31,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 from cg_jax.core.config import ForwardConfig
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
 from cg_jax.kernels.ragged_paged_attention import (PREFILL, RaggedPagedAttentionConfig,
-                                                   ragged_paged_attention)
+                                                   ragged_paged_attention,
+                                                   ragged_paged_attention_reference)
 from models.attention import XlaAttention, softmax_attention
 
 
@@ -210,24 +214,57 @@ class PagedAttention:
 
   def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only):
     batch, size, heads, head_dim = q.shape
+    # A [B, S] grid of right-padded rows: regions of S tokens, counts[b] of them real.
+    region_starts = jnp.arange(batch + 1, dtype=jnp.int32) * size
+    # [B, S, N, H] -> [B S, N, H]
+    flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731
+    out, k_all, v_all = self.ragged(flat(q), flat(k), flat(v), k_all, v_all, layer,
+                                    starts + counts, region_starts, counts, config, decode_only)
+    return out.reshape(batch, size, heads, head_dim), k_all, v_all
+
+  def ragged(self, q, k, v, k_all, v_all, layer, seq_lens, query_starts, query_lens, config,
+             decode_only=False):
+    """`ragged_paged_attention` of a flat batch q [A, N, H], k, v [A, K, H] over this call's
+    tables, per device on its heads under tensor parallelism; its jnp reference without the
+    kernel."""
+    layer = jnp.asarray(layer, jnp.int32)
+    if not self.kernel:
+      return ragged_paged_attention_reference(q, k, v, k_all, v_all, layer, self.tables,
+                                              seq_lens, query_starts, query_lens)
     mesh = self.mesh
     heads_spec = None if mesh is None else _heads(mesh, 3, 1)
     cache = None if mesh is None else _heads(mesh, 5, 3)
-    # A [B, S] grid of right-padded rows: regions of S tokens, counts[b] of them real.
-    region_starts = jnp.arange(batch + 1, dtype=jnp.int32) * size
 
     def kernel(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts, query_lens):
       return ragged_paged_attention(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts,
                                     query_lens, config=config, decode_only=decode_only,
                                     interpret=self.interpret)
 
-    # [B, S, N, H] -> [B S, N, H]
-    flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731
-    out, k_all, v_all = _per_device(kernel, mesh, (heads_spec,) * 3 + (cache, cache) + (P(),) * 5,
-                                    (heads_spec, cache, cache))(
-        flat(q), flat(k), flat(v), k_all, v_all, jnp.asarray(layer, jnp.int32), self.tables,
-        starts + counts, region_starts, counts)
-    return out.reshape(batch, size, heads, head_dim), k_all, v_all
+    return _per_device(kernel, mesh, (heads_spec,) * 3 + (cache, cache) + (P(),) * 5,
+                       (heads_spec, cache, cache))(
+        q, k, v, k_all, v_all, layer, self.tables, seq_lens, query_starts, query_lens)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedAttention:
+  """The attention of an engine step (`cg_jax.core.steps`): the model sees one row of A tokens
+  (`extend`, q [1, A, N, H]) that holds R requests end to end: request r's query_lens[r] tokens
+  start at query_starts[r] and sit at positions seq_lens[r] - query_lens[r] .. seq_lens[r] - 1
+  of its block table `paged.tables[r]`, attending causally to its cached keys and to each
+  other; tokens past query_starts[R] are padding (zeros out, nothing written). Int32 [R + 1],
+  [R], [R] arrays (traced)."""
+
+  paged: PagedAttention
+  query_starts: Any
+  query_lens: Any
+  seq_lens: Any
+
+  def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
+    # q [1, A, N, H]; k, v [1, A, K, H]; positions and rows: the metadata above says it all.
+    out, k_all, v_all = self.paged.ragged(q[0], k[0], v[0], k_all, v_all, layer, self.seq_lens,
+                                          self.query_starts, self.query_lens,
+                                          self.paged.prefill_config)
+    return out[None], k_all, v_all
 
 
 def for_forward(config: ForwardConfig, mesh=None):

@@ -43,6 +43,12 @@ CUBLAS_PREFILL_HIDDEN = 2048
 MAX_MATMUL_ROWS = 64
 # The prompt chunk of `batch_invariant` engines unless prompt_buckets names one.
 INVARIANT_CHUNK = 256
+# Prompt tokens one engine step takes at most (`max_num_batched_tokens`) unless given: on a GPU,
+# and elsewhere (where the attention gathers each token's pages: memory per token).
+DEFAULT_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
+MAX_STEP_TOKENS = 1 << 16
+# The smallest token bucket of an engine step.
+MIN_STEP_TOKENS = 16
 # The KV-cache length when max_seq_len is not given: min(model context, DEFAULT_MAX_SEQ_LEN).
 DEFAULT_MAX_SEQ_LEN = 2048
 # Kept free beside the weights and the cache for the executables' activations and workspace: at
@@ -147,6 +153,10 @@ class EngineConfig:
     activation reserve leave of it (`blocks_for_memory`). Off by default: a cache that fills
     the H200 made a 512-token prompt's first token 7% later than one sized for the rows
     (benchmarks/results/paged_engine_v2_h200.md).
+  max_num_batched_tokens: the token budget of one engine step: prompt chunks of many requests
+    run together in one executable over a flat batch of up to this many tokens (each
+    request's chunk at its own cache offset); the step executables exist per token bucket
+    (`token_buckets`). Batch-invariant engines: the one prompt bucket.
   prefix_block: tokens per KV-cache block C, the paged cache's page and the prefix cache's unit
     (a prefix is shared in whole blocks); with the Pallas kernel a power of two >= 16.
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
@@ -167,6 +177,7 @@ class EngineConfig:
   tensor_parallel: int = 1
   max_waiting: int = 1024
   prefix_cache_tokens: int = 0
+  max_num_batched_tokens: int = 256
   prefix_block: int = 16
   kv_blocks: int | None = None
   gpu_memory_utilization: float | None = None
@@ -190,6 +201,10 @@ class EngineConfig:
     _choice("prefill_gemm", self.prefill_gemm, tuple(PREFILL_GEMMS))
     if not _is_int(self.max_waiting) or self.max_waiting < 1:
       raise ValueError(f"max_waiting must be an int >= 1, got {self.max_waiting!r}")
+    if not _is_int(self.max_num_batched_tokens) or not (
+        1 <= self.max_num_batched_tokens <= MAX_STEP_TOKENS):
+      raise ValueError(f"max_num_batched_tokens must be an int in [1, {MAX_STEP_TOKENS}], got "
+                       f"{self.max_num_batched_tokens!r}")
     if not _is_int(self.prefix_block) or not 1 <= self.prefix_block < self.max_seq_len:
       raise ValueError(f"prefix_block must be an int in [1, {self.max_seq_len - 1}] (below "
                        f"max_seq_len), got {self.prefix_block!r}")
@@ -239,6 +254,10 @@ class EngineConfig:
     if len(lengths) != 1:
       raise ValueError(f"batch_invariant=True prefills in chunks of one prompt bucket, got "
                        f"prompt_buckets={lengths}")
+    if self.max_num_batched_tokens != lengths[0]:
+      raise ValueError(f"batch_invariant=True runs steps of one prompt chunk: "
+                       f"max_num_batched_tokens must equal the prompt bucket ({lengths[0]}), got "
+                       f"{self.max_num_batched_tokens}")
     if self.prefix_cache_tokens and lengths[0] % self.prefix_block:
       raise ValueError(f"batch_invariant=True with the prefix cache needs prefix_block "
                        f"({self.prefix_block}) to divide the prompt bucket ({lengths[0]})")
@@ -250,6 +269,7 @@ class EngineConfig:
              readback_lag: int = 2, prefill_gemm: str | None = None, tensor_parallel: int = 1,
              max_waiting: int = 1024, prefix_cache_tokens: int | None = None,
              prefix_block: int | None = None, kv_blocks: int | None = None,
+             max_num_batched_tokens: int | None = None,
              gpu_memory_utilization: float | None = None,
              compiler_options: Mapping[str, Any] | None = None,
              batch_invariant: bool = False, **forward_options) -> "EngineConfig":
@@ -257,7 +277,8 @@ class EngineConfig:
     min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below
     max_seq_len; a prefix cache of 4 x max_seq_len tokens; KV blocks of 64 tokens with the
     Pallas kernel, else of min(16, max_seq_len - 1), as many as `num_blocks` says unless
-    kv_blocks or gpu_memory_utilization is given; the prompt
+    kv_blocks or gpu_memory_utilization is given; steps of up to DEFAULT_STEP_TOKENS tokens
+    (the prompt bucket when batch-invariant); the prompt
     executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
     the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
     min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
@@ -280,6 +301,9 @@ class EngineConfig:
       raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
                       f"{compiler_options!r}")
     buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets or ()))
+    if max_num_batched_tokens is None:
+      max_num_batched_tokens = (buckets.prompt_lengths[0] if batch_invariant is True
+                                else DEFAULT_STEP_TOKENS["gpu" if on_gpu() else "cpu"])
     if batch_invariant is True and buckets.max_batch > MAX_MATMUL_ROWS:
       raise ValueError(f"batch_invariant=True pads decode steps to the largest batch bucket, at "
                        f"most {MAX_MATMUL_ROWS}; got batch_buckets={buckets.batch_sizes}")
@@ -294,6 +318,7 @@ class EngineConfig:
         graphs=graphs, readback_lag=readback_lag, prefill_gemm=prefill_gemm,
         tensor_parallel=tensor_parallel, max_waiting=max_waiting,
         prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block, kv_blocks=kv_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=gpu_memory_utilization,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
         batch_invariant=batch_invariant)
@@ -312,6 +337,18 @@ class EngineConfig:
   def prefix_blocks(self) -> int:
     """Blocks held for cached prefixes beyond the rows' own (0: prefix caching off)."""
     return self.prefix_cache_tokens // self.prefix_block
+
+  @property
+  def token_buckets(self) -> tuple[int, ...]:
+    """The token counts of the step executables: powers of two from MIN_STEP_TOKENS up to
+    `max_num_batched_tokens` (which ends them)."""
+    budget = self.max_num_batched_tokens
+    return powers_of_two(min(MIN_STEP_TOKENS, budget), budget)
+
+  @property
+  def step_rows(self) -> int:
+    """R: the requests one step takes at most (the rows of its block tables and logits)."""
+    return self.buckets.max_batch
 
   @property
   def table_width(self) -> int:
@@ -352,6 +389,7 @@ class EngineConfig:
                 readback_lag=self.readback_lag, prefill_gemm=self.prefill_gemm,
                 tensor_parallel=self.tensor_parallel, max_waiting=self.max_waiting,
                 prefix_cache_tokens=self.prefix_cache_tokens, prefix_block=self.prefix_block,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 kv_blocks=None if self.gpu_memory_utilization is not None else self.kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 compiler_options=dict(self.compiler_options),
@@ -380,8 +418,9 @@ def blocks_for_memory(model: DecoderConfig, config: EngineConfig, dtype,
   shards, itemsize = config.tensor_parallel, jax.numpy.dtype(dtype).itemsize
   block = cache_bytes(model, 1, config.prefix_block, dtype) // shards
   weights = model.num_parameters() * itemsize // shards
-  # The largest prompt call's tokens, and the float32 logits of the largest batch.
-  tokens = config.buckets.max_batch * config.buckets.max_prompt_len
+  # The largest call's tokens (a step, or scoring a whole context), and the float32 logits of
+  # the largest batch.
+  tokens = max(config.max_num_batched_tokens, config.max_seq_len)
   width = max(model.hidden_size, 2 * model.intermediate_size)
   reserve = max(MIN_ACTIVATION_RESERVE, ACTIVATION_TENSORS * tokens * width * itemsize // shards
                 + 2 * config.buckets.max_batch * model.vocab_size * 4)

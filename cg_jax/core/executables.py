@@ -2,23 +2,22 @@
 
 Keys (plain tuples, as `keys()` lists them):
   ("cache",)                      allocate the zeroed paged KV cache
-  ("prompts", batch, length)      the first chunk of `batch` prompts into their blocks
-                                  (batch: the batch buckets up to PROMPT_BATCH)
-  ("chunk", batch, length)        later chunks of `batch` prompts, each at its cache offset
-                                  (batch: the batch buckets up to PROMPT_BATCH)
+  ("step", tokens)                one engine step: up to `step_rows` requests' prompt chunks in
+                                  a flat batch of `tokens` (a token bucket), each at its cache
+                                  offset
   ("decode", batch, greedy)       one decode step over `batch` rows, each over its block table
   ("logprobs", batch)             a decode step that also scores its tokens (log-probabilities)
-  ("token_logprobs", batch)       the scores of the tokens a prompt executable chose
+  ("token_logprobs", rows)        the scores of the tokens a step chose (rows: `step_rows`)
   ("score", length)               the log-probability of each token of a prompt (`echo`)
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
   ("first", batch, greedy)        the first token from prompt logits: with greedy False, the
-                                  draw of a prompt call with a sampling row (batch: the batch
-                                  buckets up to PROMPT_BATCH); with True, the static path's
+                                  draw of a step with a sampling row (batch: `step_rows`);
+                                  with True, the static path's
 
 `greedy` True is the executable without sampling arrays. Every executable that reads or writes
 the cache takes the block tables of its rows (int32 [batch, W]; `cg_jax.core.steps`): no
 executable copies cache blocks. The scheduler (`cg_jax.core.scheduler`) uses the serving phases
-(`SERVING_PHASES`: prompts, chunk, decode) and, for requests with log-probabilities, "logprobs"
+(`SERVING_PHASES`: step, decode) and, for requests with log-probabilities, "logprobs"
 (logprobs, token_logprobs, score: compiled on first use unless warmed up); the static
 "prefill" and the greedy "first" serve benchmarks and profiles.
 The prompt executables (`PREFILL_KINDS`) compile with `EngineConfig.prefill_xla_options` (their
@@ -64,11 +63,9 @@ from cg_jax.core.steps import StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("prompts", "chunk", "decode", "logprobs", "prefill", "first")
-SERVING_PHASES = ("prompts", "chunk", "decode")
-PREFILL_KINDS = ("prompts", "chunk", "score", "prefill")
-# The most prompts prefilled together by the scheduler.
-PROMPT_BATCH = 16
+PHASES = ("step", "decode", "logprobs", "prefill", "first")
+SERVING_PHASES = ("step", "decode")
+PREFILL_KINDS = ("step", "score", "prefill")
 
 
 class ExecutableTable:
@@ -109,18 +106,14 @@ class ExecutableTable:
       if odd:
         raise ValueError(f"{name} {odd} are not buckets of this engine; allowed {allowed}")
     keys: list[tuple] = [("cache",)]
-    if "prompts" in phases:
-      keys += [("prompts", batch, length) for batch in self.prompt_batches()
-               if batch in batch_sizes for length in prompt_lengths]
-    if "chunk" in phases:
-      keys += [("chunk", batch, length) for batch in self.prompt_batches()
-               if batch in batch_sizes for length in prompt_lengths]
-    if "prompts" in phases or "chunk" in phases:
-      # The prompt executables pick greedily; a call with a sampling row draws from its logits.
-      keys += [("first", batch, False) for batch in self.prompt_batches() if batch in batch_sizes]
+    rows = self.config.step_rows
+    if "step" in phases:
+      # Steps pick greedily; a step with a sampling row draws from its logits.
+      keys += [("step", tokens) for tokens in self.config.token_buckets]
+      keys += [("first", rows, False)]
     if "logprobs" in phases:
       keys += [("logprobs", batch) for batch in batch_sizes]
-      keys += [("token_logprobs", batch) for batch in self.prompt_batches() if batch in batch_sizes]
+      keys += [("token_logprobs", rows)]
       keys += [("score", length) for length in self.score_lengths()
                if length in prompt_lengths or length > b.max_prompt_len]
     for batch in batch_sizes:
@@ -135,14 +128,6 @@ class ExecutableTable:
     """The lengths of the "score" executables: the prompt buckets and the whole context
     (max_seq_len), so that a prompt that fills the context can be scored (`echo`)."""
     return (*self.config.buckets.prompt_lengths, self.config.max_seq_len)
-
-  def prompt_batches(self) -> tuple[int, ...]:
-    """The batch buckets up to PROMPT_BATCH: how many prompts a "prompts" or "chunk"
-    executable takes (batch-invariant engines: 1)."""
-    sizes = self.config.buckets.batch_sizes
-    if self.config.batch_invariant:
-      return sizes[:1]
-    return tuple(b for b in sizes if b <= PROMPT_BATCH) or sizes[:1]
 
   def cache_spec(self) -> KVCache:
     """The paged cache: [L, N + 1, C, K, H] per key and value (N blocks and the scratch one)."""
@@ -163,14 +148,10 @@ class ExecutableTable:
       return (lambda: init_cache(c, e.num_blocks + 1, e.prefix_block, self.dtype)), (), (), (), \
           "cache"
     width = self.config.table_width
-    if phase == "prompts":
-      _, batch, length = key
-      return (steps.prompts, (weights, cache, i32(batch, length), i32(batch), i32(batch, width)),
-              (1,), state + (rep,) * 3, ("host", rep, "cache"))
-    if phase == "chunk":
-      _, batch, length = key
-      return (steps.chunk, (weights, cache, i32(batch, length), i32(batch, width), i32(batch),
-                            i32(batch)), (1,), state + (rep,) * 4, ("host", rep, "cache"))
+    if phase == "step":
+      rows = self.config.step_rows
+      return (steps.step, (weights, cache, i32(key[1]), i32(rows, width), i32(rows + 1),
+                           i32(rows), i32(rows)), (1,), state + (rep,) * 5, ("host", rep, "cache"))
     if phase == "score":
       return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
     if phase == "logprobs":

@@ -7,13 +7,13 @@ Requests wait in a bounded FIFO. The engine thread loops:
   2. admit: waiting requests take the free rows while the block pool has blocks for their whole
      life (prompt and max_new_tokens); a prompt that starts with cached blocks shares them
      (a prefix-cache hit copies nothing) and prefills only the rest;
-  3. prefill: one executable between two decode steps (up to PROMPT_BATCH prompts and
-     PREFILL_TOKENS padded tokens, chunk sizes from `prompt_buckets`): the next chunks of
-     prompts already started (a cached prefix, or longer than the largest chunk), each at its
-     cache offset, first come first served; or else the first chunks of newly admitted
-     prompts. So a long prompt delays the running streams by one chunk per step. A request
-     whose prompt is complete joins the decode batch with its first token, sampled in that
-     executable, and its full blocks become shareable;
+  3. step: one executable between two decode steps over a flat batch of prompt tokens up to
+     the token budget (`max_num_batched_tokens`; the smallest token bucket that holds them):
+     the next chunks of prompts already started (a cached prefix, or longer than a step's
+     budget), then the first chunks of newly admitted prompts, each at its cache offset, first
+     come first served. So a long prompt delays the running streams by one step's budget per
+     decode step. A request whose prompt is complete joins the decode batch with its first
+     token, picked in that step, and its full blocks become shareable;
   4. decode: one step over rows [0, bucket), the smallest batch bucket holding the occupied
      rows; rows still prefilling are idle (position -1: no cache write, no attention).
      Up to `readback_lag` steps are in flight; the batch changes only once none is.
@@ -45,7 +45,7 @@ from cg_jax.core.config import EngineConfig
 from cg_jax.core.executables import ExecutableTable
 from cg_jax.core.kv_cache import CacheHolder
 from cg_jax.core.sampling import SamplingArrays
-from cg_jax.core.step_plan import ChunkPlan, DecodePlan, MovePlan, PlanConfig, Planner
+from cg_jax.core.step_plan import DecodePlan, MovePlan, PlanConfig, Planner, StepPlan
 from cg_jax.generation import RowText
 from cg_jax.handles import EngineClosed, Group, QueueFull, RequestTimeout
 
@@ -95,7 +95,7 @@ class Scheduler:
     # The cache's blocks (host bookkeeping; the scratch block past them is not the pool's).
     self.blocks = BlockPool(config.num_blocks, config.prefix_block)
     # The policy (`cg_jax.core.step_plan`): what each phase of an iteration runs.
-    self.planner = Planner(PlanConfig.of(config, table), self.blocks)
+    self.planner = Planner(PlanConfig.of(config), self.blocks)
     self._wakeup = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
     self._slots: list[_Live] = []  # occupied slots [0, n)
@@ -249,9 +249,9 @@ class Scheduler:
       self._drain()
       self._retire(now)
       self._admit()
-    chunk = self.planner.prefill(self._slots)
-    if chunk is not None:
-      self._run_chunk(chunk)
+    step = self.planner.step(self._slots)
+    if step is not None:
+      self._run_step(step)
     if self._inputs is None:
       self._drain()  # the new batch is built from every row's latest token
     self._run_decode(self.planner.decode(self._slots, len(self._reader)))
@@ -316,43 +316,43 @@ class Scheduler:
         tables[b, :len(live.blocks)] = live.blocks
     return tables
 
-  def _run_chunk(self, chunk: ChunkPlan) -> None:
-    """One prompt call (see `ChunkPlan`); its completed prompts join the decode batch."""
-    group = [self._slots[slot] for slot in chunk.slots]
-    tokens = np.zeros((chunk.rows, chunk.size), np.int32)
-    starts = np.zeros((chunk.rows,), np.int32)
-    counts = np.zeros((chunk.rows,), np.int32)  # padding rows take no token
+  def _run_step(self, plan: StepPlan) -> None:
+    """One engine step (see `StepPlan`); its completed prompts join the decode batch."""
+    group = [self._slots[slot] for slot in plan.slots]
+    tokens = np.zeros((plan.tokens,), np.int32)
+    counts = np.zeros((plan.rows,), np.int32)  # rows past the group take no token
+    counts[:len(group)] = plan.counts
+    starts = np.zeros((plan.rows + 1,), np.int32)  # where each request's tokens start
+    np.cumsum(counts, out=starts[1:])
+    seq_lens = np.zeros((plan.rows,), np.int32)
     for b, live in enumerate(group):
-      starts[b], counts[b] = chunk.starts[b], chunk.counts[b]
-      tokens[b, :counts[b]] = live.prompt[starts[b]:starts[b] + counts[b]]
-    tables = self._tables(group, chunk.rows)
+      begin = plan.starts[b]
+      tokens[starts[b]:starts[b + 1]] = live.prompt[begin:begin + counts[b]]
+      seq_lens[b] = begin + counts[b]
+    tables = self._tables(group, plan.rows)
     # Host arrays go to the executable as they are: its call copies them to the device (one
     # jax.device_put per tree costs more host time than the whole transfer).
-    if chunk.kind == "prompts":
-      new, logits, cache = self.table.get(chunk.key)(
-          self.weights, self.cache.get(), tokens, counts, tables)
-    else:
-      new, logits, cache = self.table.get(chunk.key)(
-          self.weights, self.cache.get(), tokens, tables, starts, counts)
+    new, logits, cache = self.table.get(plan.key)(self.weights, self.cache.get(), tokens, tables,
+                                                  starts, counts, seq_lens)
     self.cache.set(cache)
     self.counters["chunks"] += 1
     for b, live in enumerate(group):
       live.prefilled += int(counts[b])
-    if chunk.sample:
-      # [rows] int32: each row's new token sits after its chunk.
-      new = self.table.get(("first", chunk.rows, False))(logits, starts + counts,
-                                                         self._sampling(group, chunk.rows))
-    self._join(chunk, group, new, logits)
+    if plan.sample:
+      # [rows] int32: each request's new token sits at its sequence's length.
+      new = self.table.get(("first", plan.rows, False))(logits, seq_lens,
+                                                        self._sampling(group, plan.rows))
+    self._join(plan, group, new, logits)
 
-  def _join(self, chunk: ChunkPlan, group: list[_Live], new, logits) -> None:
+  def _join(self, plan: StepPlan, group: list[_Live], new, logits) -> None:
     """Requests whose chunk completed their prompt join the decode batch with its token `new`
     (their full blocks become shareable); the token's scores
     come from `logits` (both on the device) only for requests that asked for
     log-probabilities."""
     tokens = np.asarray(new)
-    done = [(b, live) for b, live in enumerate(group) if chunk.slots[b] in chunk.done]
+    done = [(b, live) for b, live in enumerate(group) if plan.slots[b] in plan.done]
     scores = None
-    if chunk.scored:
+    if plan.scored:
       scores = np.asarray(self.table.get(("token_logprobs", len(tokens)))(logits, tokens))
     done = [(live, int(tokens[b]), None if scores is None else scores[b]) for b, live in done]
     for live, _, _ in done:

@@ -14,12 +14,13 @@ sequence of plans, not one:
                            max_new_tokens); with the prefix cache on, the cached blocks that
                            start a prompt are shared (`BlockPool.match`) and its cached tokens
                            count as prefilled;
-  prefill  (`ChunkPlan`)   one prompt call: the next chunks of prompts already started ("chunk",
-                           each at its cache offset: a cached prefix, or longer than the largest
-                           chunk), or else the first chunks of new prompts ("prompts"), grouped
-                           up to a prompt-batch bucket and `prefill_tokens` largest buckets of
-                           padded tokens; a completed prompt's full blocks are indexed for later
-                           prompts (`commit`);
+  step     (`StepPlan`)    one step over a flat batch of prompt tokens, up to the token budget
+                           (`max_num_batched_tokens`): the next chunks of prompts already started
+                           (a cached prefix, or longer than one step's budget) first, then the
+                           first chunks of new prompts, first come first served, each chunk at
+                           its cache offset, none padded; the step takes the smallest token
+                           bucket that holds them. A completed prompt's full blocks are indexed
+                           for later prompts (`commit`);
   decode   (`DecodePlan`)  one step over rows [0, bucket), the smallest batch bucket holding
                            the occupied rows; rows not decoding are idle.
 
@@ -39,10 +40,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # (an annotation only: this module imports nothing of cg_jax when it runs)
   from cg_jax.core.block_pool import BlockPool
-
-# Padded prompt tokens one prompt call may take (its batch x chunk size), in units of the
-# largest prompt bucket.
-PREFILL_TOKENS = 16
 
 
 class Scheduled(Protocol):
@@ -67,40 +64,45 @@ class PlanConfig:
 
   Args:
     batch_sizes: the batch buckets (ascending); the cache holds batch_sizes[-1] slots.
-    prompt_lengths: the prompt buckets (ascending): chunk sizes.
-    prompt_batches: the batch buckets of the prompt executables (`ExecutableTable.prompt_batches`).
+    token_buckets: the token counts of the step executables (ascending); the last is the
+      token budget of a step.
     max_seq_len: tokens a request's block table covers at most (prompt and new tokens).
     block_size: tokens per KV-cache block.
     prefix_cache: prompts share the cached blocks that start them.
-    batch_invariant: prefix hits are used in whole chunks (multiples of prompt_lengths[0]).
-    prefill_tokens: see PREFILL_TOKENS.
+    batch_invariant: a step takes one request's chunk of token_buckets[-1] tokens (the one
+      prompt bucket) at multiples of it, and prefix hits are used in whole chunks.
   """
 
   batch_sizes: tuple[int, ...]
-  prompt_lengths: tuple[int, ...]
-  prompt_batches: tuple[int, ...]
+  token_buckets: tuple[int, ...]
   max_seq_len: int
   block_size: int = 16
   prefix_cache: bool = False
   batch_invariant: bool = False
-  prefill_tokens: int = PREFILL_TOKENS
 
   @classmethod
-  def of(cls, config, table) -> "PlanConfig":
-    """From an `EngineConfig` and its `ExecutableTable` (or fakes with the same fields)."""
-    b = config.buckets
-    return cls(batch_sizes=b.batch_sizes, prompt_lengths=b.prompt_lengths,
-               prompt_batches=table.prompt_batches(), max_seq_len=config.max_seq_len,
-               block_size=config.prefix_block, prefix_cache=config.prefix_blocks > 0,
-               batch_invariant=config.batch_invariant)
+  def of(cls, config) -> "PlanConfig":
+    """From an `EngineConfig` (or a fake with the same fields)."""
+    return cls(batch_sizes=config.buckets.batch_sizes, token_buckets=config.token_buckets,
+               max_seq_len=config.max_seq_len, block_size=config.prefix_block,
+               prefix_cache=config.prefix_blocks > 0, batch_invariant=config.batch_invariant)
 
   @property
   def max_batch(self) -> int:
     return self.batch_sizes[-1]
 
+  @property
+  def max_tokens(self) -> int:
+    """The token budget of one step."""
+    return self.token_buckets[-1]
+
   def batch_bucket(self, batch: int) -> int:
     """The smallest batch bucket >= batch (1 <= batch <= max_batch)."""
     return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch)]
+
+  def token_bucket(self, tokens: int) -> int:
+    """The smallest token bucket >= tokens (1 <= tokens <= max_tokens)."""
+    return self.token_buckets[bisect.bisect_left(self.token_buckets, tokens)]
 
   def blocks_needed(self, request: "Scheduled") -> int:
     """Blocks of a request's whole life: its prompt and max_new_tokens, within max_seq_len."""
@@ -128,21 +130,18 @@ class Admission:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkPlan:
-  """One prompt call.
-
-  kind "prompts": the first chunk of new prompts, from position 0; kind "chunk": the next chunk
-  of started prompts, row b at offset starts[b]. Row b of the group (the rows `slots`) takes
-  counts[b] prompt tokens from starts[b]; padding rows past the group take nothing. `done` are
-  the rows whose prompt this call completes (they join the decode batch with the token it
-  picks); `sample`: a row samples (its first token is drawn by ("first", rows, False) from the
-  call's logits); `scored`: a completing row asks for log-probabilities
-  (("token_logprobs", rows)).
+class StepPlan:
+  """One engine step: the request of row slots[i] takes counts[i] prompt tokens from its
+  position starts[i], the chunks laid end to end in that order and padded to `tokens` (a token
+  bucket); the step's block tables, logits and tokens have `rows` rows (`step_rows`), the
+  requests' first. `done` are the rows whose prompt this step completes (they join the decode
+  batch with the token it picks); `sample`: one of them samples (its first token is drawn by
+  ("first", rows, False) from the step's logits); `scored`: one of them asks for
+  log-probabilities (("token_logprobs", rows)).
   """
 
-  kind: str
+  tokens: int
   rows: int
-  size: int
   slots: tuple[int, ...]
   starts: tuple[int, ...]
   counts: tuple[int, ...]
@@ -152,11 +151,11 @@ class ChunkPlan:
 
   @property
   def key(self) -> tuple:
-    return (self.kind, self.rows, self.size)
+    return ("step", self.tokens)
 
   @property
   def keys(self) -> tuple[tuple, ...]:
-    """Every executable the call runs, in order."""
+    """Every executable the step runs, in order."""
     return (self.key, *([("first", self.rows, False)] if self.sample else []),
             *([("token_logprobs", self.rows)] if self.scored else []))
 
@@ -231,7 +230,7 @@ class Planner:
       shared: list[int] = []
       if c.prefix_cache:
         # Batch-invariant engines take whole chunks only: the chunk boundaries of a miss.
-        multiple = c.prompt_lengths[0] // c.block_size if c.batch_invariant else 1
+        multiple = c.max_tokens // c.block_size if c.batch_invariant else 1
         shared = self.pool.match(request.prompt, multiple)
       fresh = self.pool.allocate(needed - len(shared))
       assert fresh is not None  # (guaranteed by the check above)
@@ -249,71 +248,32 @@ class Planner:
     if request.blocks:
       self.pool.release(request.blocks)
 
-  def prefill(self, slots: Sequence[Scheduled]) -> ChunkPlan | None:
-    """`slots[i]` holds row i. Started prompts (a cached prefix, or longer than the largest
-    chunk) take their next chunks first come first served; only when none is started do new
-    prompts take their first chunks. None: nothing to prefill."""
-    started = [s for s, x in enumerate(slots)
-               if 0 < x.prefilled < len(x.prompt) and not x.finished]
-    if started:
-      return self._later_chunks(slots, started)
-    fresh = [s for s, x in enumerate(slots) if x.prefilled == 0 and not x.finished]
-    if fresh:
-      return self._first_chunks(slots, fresh)
-    return None
-
-  def _later_chunks(self, slots, started: list[int]) -> ChunkPlan:
-    """The next chunk of a run of started prompts in one "chunk" call, each at its offset."""
-    batches = self.config.prompt_batches
-    size_of = self._size_of(slots)
-    group = self._group(started, batches, size_of)
-    size, rows = size_of(group), next(b for b in batches if b >= len(group))
-    counts = tuple(min(size, len(slots[s].prompt) - slots[s].prefilled) for s in group)
-    return self._chunk("chunk", rows, size, slots, group,
-                       tuple(slots[s].prefilled for s in group), counts)
-
-  def _first_chunks(self, slots, fresh: list[int]) -> ChunkPlan:
-    """The first chunk of a run of new prompts in one "prompts" call."""
-    batches = self.config.prompt_batches
-    size_of = self._size_of(slots)
-    group = self._group(fresh, batches, size_of)
-    size, rows = size_of(group), next(b for b in batches if b >= len(group))
-    counts = tuple(min(size, len(slots[s].prompt)) for s in group)
-    return self._chunk("prompts", rows, size, slots, group, (0,) * len(group), counts)
-
-  @staticmethod
-  def _chunk(kind: str, rows: int, size: int, slots, group: list[int],
-             starts: tuple[int, ...], counts: tuple[int, ...]) -> ChunkPlan:
+  def step(self, slots: Sequence[Scheduled]) -> StepPlan | None:
+    """`slots[i]` holds row i. Started prompts (a cached prefix, or longer than one step) take
+    their next chunks first, then new prompts their first ones, each first come first served
+    (row order), while the token budget lasts; a batch-invariant step takes one request. None:
+    nothing to prefill."""
+    c = self.config
+    pending = [s for s, x in enumerate(slots) if x.prefilled < len(x.prompt) and not x.finished]
+    if not pending:
+      return None
+    # Started prompts first (stable: each kind in row order).
+    pending.sort(key=lambda s: slots[s].prefilled == 0)
+    group, starts, counts, budget = [], [], [], c.max_tokens
+    for s in pending[:1] if c.batch_invariant else pending:
+      if budget == 0:
+        break
+      live = slots[s]
+      take = min(len(live.prompt) - live.prefilled, budget)
+      group.append(s)
+      starts.append(live.prefilled)
+      counts.append(take)
+      budget -= take
     done = tuple(s for s, start, count in zip(group, starts, counts)
                  if start + count == len(slots[s].prompt))
-    return ChunkPlan(kind, rows, size, tuple(group), starts, counts, done,
-                     sample=not all(slots[s].settings.greedy for s in group),
-                     scored=any(slots[s].logprobs is not None for s in done))
-
-  def _size_of(self, slots) -> Callable[[list[int]], int]:
-    """The chunk size of a group: the prompt bucket that takes its longest rest of a prompt
-    (up to the largest)."""
-    lengths = self.config.prompt_lengths
-
-    def size_of(group: list[int]) -> int:
-      longest = min(max(len(slots[s].prompt) - slots[s].prefilled for s in group), lengths[-1])
-      return next(n for n in lengths if n >= longest)
-    return size_of
-
-  def _group(self, items: list[int], batches: tuple[int, ...],
-             size_of: Callable[[list[int]], int]) -> list[int]:
-    """The longest run of `items` (from the first) that one call of a batch bucket up to
-    batches[-1] rows and `prefill_tokens` largest prompt buckets of padded tokens takes."""
-    budget = self.config.prefill_tokens * self.config.prompt_lengths[-1]
-    group = items[:1]
-    for item in items[1:]:
-      if len(group) == batches[-1]:
-        break
-      candidate = group + [item]
-      if next(b for b in batches if b >= len(candidate)) * size_of(candidate) > budget:
-        break
-      group = candidate
-    return group
+    return StepPlan(c.token_bucket(sum(counts)), c.max_batch, tuple(group), tuple(starts),
+                    tuple(counts), done, sample=not all(slots[s].settings.greedy for s in group),
+                    scored=any(slots[s].logprobs is not None for s in done))
 
   def decode(self, slots: Sequence[Scheduled], in_flight: int) -> DecodePlan | None:
     """The next decode step over the occupied `slots`, or None when no request decodes;

@@ -7,10 +7,8 @@ ahead of time per bucket (`cg_jax.core.executables`):
                                               -> (tokens[B], positions[B], cache, emitted[B])
   decode_scored(weights, cache, tokens[B], positions[B], tables[B,W], sampling)
                                    -> (tokens[B], positions[B], cache, emitted[B], scores[B,E])
-  prompts(weights, cache, tokens[B,S], lengths[B], tables[B,W])
-                                                                -> (tokens[B], logits[B,V], cache)
-  chunk(weights, cache, tokens[B,S], tables[B,W], starts[B], lengths[B])
-                                                                -> (tokens[B], logits[B,V], cache)
+  step(weights, cache, tokens[A], tables[R,W], query_starts[R+1], query_lens[R], seq_lens[R])
+                                                                -> (tokens[R], logits[R,V], cache)
   token_logprobs(logits[B,V], tokens[B])                           -> scores[B,E]
   score(weights, tokens[1,S])                                      -> scores[S,E]
 
@@ -21,13 +19,18 @@ by naming them (a prefix-cache hit), so no step copies keys or values between ro
 
 `scores` are `cg_jax.core.sampling.token_scores` of the new tokens (E = 1 + 2 x top log-probabilities),
 computed only for requests that ask for log-probabilities: by `decode_scored` instead of `decode`,
-and by `token_logprobs` from the logits the prompt executables return. A negative position marks
+and by `token_logprobs` from the logits a step returns. A negative position marks
 an idle row of a decode step (a cache slot not decoding): it writes
 nothing, and stays negative.
 
-`sampling` is a `SamplingArrays` or None (the greedy-only executable). The prompt executables
-pick greedily and return their logits: a call with a sampling row draws its tokens from them with
-`first_token` (the sampling path sorts the vocabulary, a cost that greedy prompts never pay).
+A step is a flat batch of A tokens (a token bucket) in which R requests' prompt chunks lie end
+to end, each at its own cache offset (`RaggedAttention`): the first chunks of new prompts and the
+next chunks of started ones (a cached prefix, or longer than one step) run in one call, none
+padded to a bucket of its own.
+
+`sampling` is a `SamplingArrays` or None (the greedy-only executable). A step picks greedily and
+returns its logits: a step with a sampling row draws its tokens from them with `first_token` (the
+sampling path sorts the vocabulary, a cost that greedy prompts never pay).
 Shape letters: the README's table.
 """
 
@@ -38,7 +41,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from cg_jax.core.attention import PagedAttention, RealRows
+from cg_jax.core.attention import PagedAttention, RaggedAttention, RealRows
 from cg_jax.core.config import ForwardConfig
 from cg_jax.core.sampling import SamplingArrays, select_tokens, token_scores
 from cg_jax.core.weights import SplitModel
@@ -144,35 +147,32 @@ class StepFunctions:
   def token_logprobs(logits, tokens):
     return token_scores(logits, tokens)
 
-  def prompts(self, weights, cache: KVCache, tokens, lengths, tables):
-    """The first chunk of B prompts, row b into the blocks tables[b] from position 0 (a row of
-    length 0 is padding and writes nothing); returns each row's greedy next token [B], the
-    logits it was picked from and the cache."""
+  def step(self, weights, cache: KVCache, tokens, tables, query_starts, query_lens, seq_lens):
+    """One engine step: request r's query_lens[r] tokens of tokens [A] start at query_starts[r]
+    (int32 [R + 1], packed: query_starts[r + 1] = query_starts[r] + query_lens[r]) and go to the
+    blocks tables[r] at positions seq_lens[r] - query_lens[r] .. seq_lens[r] - 1 (the keys
+    before are in the cache already); tokens past query_starts[R] are padding, and a request
+    with no token writes nothing. Returns each request's greedy token after its last query
+    token [R] (meaningful when the step ends its prompt), the logits it was picked from and
+    the cache."""
     model = self.split.merge(weights)
-    hidden, cache = model.prefill_hidden(tokens, lengths, cache, attention=self._paged(tables),
-                                         layer_loop=self.forward.layer_loop, shards=self.shards)
-    logits = self._head(model, hidden)
-    return select_tokens(logits, lengths, None), logits, cache
-
-  def chunk(self, weights, cache: KVCache, tokens, tables, starts, lengths):
-    """A later chunk of B prompts at their cache offsets: row b's first lengths[b] tokens of
-    tokens [B, S] go to the blocks tables[b] at positions starts[b].. (int32 [B]; the keys
-    before are in the cache already; a row of length 0 is padding and writes nothing). Returns
-    each row's greedy token after its chunk's last real token, [B] (meaningful after a prompt's
-    last chunk), the logits it was picked from, and the cache."""
-    model = self.split.merge(weights)
-    size = tokens.shape[1]
-    offsets = jnp.arange(size, dtype=jnp.int32)[None, :]
-    # [B, S]; padding past each row's length is -1 (not written)
-    positions = jnp.where(offsets < lengths[:, None], starts[:, None] + offsets, -1)
-    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)  # (the tables name each row's blocks)
-    hidden, cache = model.extend_hidden(tokens, positions, rows, cache,
-                                        attention=self._paged(tables),
-                                        layer_loop=self.forward.layer_loop, shards=self.shards)
-    # [B, 1, D]: each row's last real token's hidden state
-    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-    logits = self._head(model, last[:, 0])
-    return select_tokens(logits, starts + lengths, None), logits, cache
+    size, rows = tokens.shape[0], tables.shape[0]
+    # [A]: each token's request (R past the last), its offset there and its position (-1:
+    # padding)
+    index = jnp.arange(size, dtype=jnp.int32)
+    owner = jnp.searchsorted(query_starts[1:], index, side="right")
+    request = jnp.minimum(owner, rows - 1)
+    offset = index - query_starts[request]
+    real = (owner < rows) & (offset < query_lens[request])
+    positions = jnp.where(real, seq_lens[request] - query_lens[request] + offset, -1)
+    attention = RaggedAttention(self._paged(tables), query_starts, query_lens, seq_lens)
+    hidden, cache = model.extend_hidden(tokens[None], positions[None], None, cache,
+                                        attention=attention, layer_loop=self.forward.layer_loop,
+                                        shards=self.shards)
+    # [R, D]: each request's last query token
+    last = jnp.clip(query_starts[:-1] + query_lens - 1, 0, size - 1)
+    logits = self._head(model, hidden[0, last])
+    return select_tokens(logits, seq_lens, None), logits, cache
 
   def score(self, weights, tokens):
     """Row i of the result scores token i + 1 of tokens [1, S] given the tokens before it (the
