@@ -246,8 +246,8 @@ class Engine:
     """Compile every (phase, bucket) executable ahead of time, in parallel on `workers` threads
     (None: one per CPU core), and allocate the KV cache.
 
-    By default the executables that `generate`, `stream` and `submit` use: first prompt chunks
-    per prompt bucket and batch bucket (up to 16 prompts), later chunks per prompt bucket, a
+    By default the executables that `generate`, `stream` and `submit` use: a prefill step per
+    token bucket (`EngineConfig.token_buckets`), the first-token draw of a step's sampling rows, a
     greedy and a sampling decode step per batch bucket, and the paged cache
     (`executable_keys()` lists them); `phases=cg_jax.core.executables.PHASES`
     adds the log-probability and static-path ones. Narrow it to the buckets you will use

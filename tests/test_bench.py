@@ -110,6 +110,8 @@ def test_startup_engine_cold_then_warm(capsys, tmp_path):
     _table_line(out, row)
     f = row.figures
     assert 0 < f["load_s"] <= f["warmup_s"] <= f["first_answer_s"], f
+    # cache, steps of 16 and 32 tokens (one row's context), first, greedy and sampling decode
+    assert f["executables"] == 6 and 0 <= f["slowest_compile_s"] < f["warmup_s"], f
   # The warm start loads the executables the cold one compiled.
   assert warm.figures["warmup_s"] - warm.figures["load_s"] < (cold.figures["warmup_s"]
                                                               - cold.figures["load_s"])

@@ -6,12 +6,14 @@ executables stored beside it) in one temporary directory: empty for the cold sta
 again for the warm one. Times are seconds from just before the process is spawned:
   engine (`python -m cg_jax.bench.startup --child ...`, this module): `load_s` when
     `Engine.from_pretrained` returns, `warmup_s` when `warmup()` returns, `first_answer_s`
-    when the first `generate` (a 4-token prompt, 4 new tokens) returns;
+    when the first `generate` (a 4-token prompt, 4 new tokens) returns; also the number of
+    `executables` warm-up made and the `slowest_compile_s` of them;
   serve (`python -m cg_jax serve --port 0`): `listen_s` when it logs "Uvicorn running on
     http://HOST:PORT", `ready_s` when GET /health first answers 200 (polled every 20 ms),
     `first_answer_s` when the first POST /v1/completions (4 tokens) returns; then SIGTERM, and
     the process must exit.
-`--max-seq-len`, `--batch-buckets` and `--prompt-buckets` pass through to both.
+`--max-seq-len`, `--batch-buckets`, `--prompt-buckets` and `--max-num-batched-tokens` pass
+through to both.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _pass_through(args) -> list[str]:
   """The engine flags given, as command-line arguments."""
   flags = []
   for flag, value in (("--max-seq-len", args.max_seq_len), ("--batch-buckets", args.batch_buckets),
-                      ("--prompt-buckets", args.prompt_buckets)):
+                      ("--prompt-buckets", args.prompt_buckets),
+                      ("--max-num-batched-tokens", args.max_num_batched_tokens)):
     if value is not None:
       flags += [flag, str(value)]
   return flags
@@ -81,8 +84,11 @@ def run(args) -> list[rows.Row]:
   options.integer("--max-seq-len", args.max_seq_len, 2, optional=True)
   options.int_list("--batch-buckets", args.batch_buckets)
   options.int_list("--prompt-buckets", args.prompt_buckets)
+  budget = options.integer("--max-num-batched-tokens", args.max_num_batched_tokens, optional=True)
   workload = dict(max_seq_len=args.max_seq_len, batch_buckets=args.batch_buckets,
-                  prompt_buckets=args.prompt_buckets)
+                  prompt_buckets=args.prompt_buckets,
+                  # (named only when given: rows of the default stay comparable with earlier ones)
+                  **({} if budget is None else {"max_num_batched_tokens": budget}))
   result = []
   with tqdm(total=len(which) * len(starts), desc="startup", unit="start") as bar:
     for what in which:
@@ -109,7 +115,8 @@ def _engine(args, cache: str) -> dict[str, float]:
   if done.returncode != 0:
     raise RuntimeError(f"the engine start failed ({done.returncode}): {done.stderr[-4000:]}")
   at = json.loads(done.stdout.strip().splitlines()[-1])
-  return {name: at[name] - begin for name in ("load_s", "warmup_s", "first_answer_s")}
+  return {**{name: at[name] - begin for name in ("load_s", "warmup_s", "first_answer_s")},
+          "executables": at["executables"], "slowest_compile_s": at["slowest_compile_s"]}
 
 
 def _request(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
@@ -177,7 +184,8 @@ def _serve(args, cache: str) -> dict[str, float]:
 
 
 def _child(argv: list[str]) -> None:
-  """The engine start: prints {"load_s", "warmup_s", "first_answer_s"} as epoch seconds."""
+  """The engine start: prints {"load_s", "warmup_s", "first_answer_s"} as epoch seconds, the
+  executables warmed up and the slowest one's compile (or load) seconds."""
   parser = argparse.ArgumentParser(prog="python -m cg_jax.bench.startup")
   parser.add_argument("--child", action="store_true", required=True)
   parser.add_argument("--cache", required=True)
@@ -188,12 +196,13 @@ def _child(argv: list[str]) -> None:
                                       args, options.int_list("--batch-buckets", args.batch_buckets),
                                       options.int_list("--prompt-buckets", args.prompt_buckets)))
   loaded = time.time()
-  engine.warmup(progress=False)
+  seconds = engine.warmup(progress=False)
   warm = time.time()
   engine.generate([PROMPT], ANSWER_TOKENS, eos_token_id=[])
   answered = time.time()
   engine.close()
-  print(json.dumps({"load_s": loaded, "warmup_s": warm, "first_answer_s": answered}))
+  print(json.dumps({"load_s": loaded, "warmup_s": warm, "first_answer_s": answered,
+                    "executables": len(seconds), "slowest_compile_s": max(seconds.values())}))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ contract and the plain-XLA reference).
                    The decode steps and the static prefill.
   RaggedAttention  an engine step's `extend`: one row of A tokens that holds many requests'
                    chunks end to end, each at its own cache offset over its own block table;
-                   the ragged paged kernel, or its jnp reference.
+                   the ragged paged kernel, or `ragged_attention_xla` (XLA ops, block by
+                   block).
 
 `for_forward(config, mesh)` picks the cache-free implementation of a `ForwardConfig` and
 `paged_for_forward(config, mesh)` its paged one (tables given per call).
@@ -25,6 +26,7 @@ contract and the plain-XLA reference).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -34,8 +36,7 @@ from jax.sharding import PartitionSpec as P
 from cg_jax.core.config import ForwardConfig
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
 from cg_jax.kernels.ragged_paged_attention import (PREFILL, RaggedPagedAttentionConfig,
-                                                   ragged_paged_attention,
-                                                   ragged_paged_attention_reference)
+                                                   ragged_paged_attention)
 from models.attention import XlaAttention, softmax_attention
 
 
@@ -225,12 +226,12 @@ class PagedAttention:
   def ragged(self, q, k, v, k_all, v_all, layer, seq_lens, query_starts, query_lens, config,
              decode_only=False):
     """`ragged_paged_attention` of a flat batch q [A, N, H], k, v [A, K, H] over this call's
-    tables, per device on its heads under tensor parallelism; its jnp reference without the
-    kernel."""
+    tables, per device on its heads under tensor parallelism; `ragged_attention_xla` without
+    the kernel."""
     layer = jnp.asarray(layer, jnp.int32)
     if not self.kernel:
-      return ragged_paged_attention_reference(q, k, v, k_all, v_all, layer, self.tables,
-                                              seq_lens, query_starts, query_lens)
+      return ragged_attention_xla(q, k, v, k_all, v_all, layer, self.tables, seq_lens,
+                                  query_starts, query_lens)
     mesh = self.mesh
     heads_spec = None if mesh is None else _heads(mesh, 3, 1)
     cache = None if mesh is None else _heads(mesh, 5, 3)
@@ -265,6 +266,56 @@ class RaggedAttention:
                                           self.query_starts, self.query_lens,
                                           self.paged.prefill_config)
     return out[None], k_all, v_all
+
+
+def ragged_attention_xla(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts,
+                         query_lens):
+  """`ragged_paged_attention` with XLA ops, a block of keys at a time: the tokens' keys and
+  values scattered into their pages, then an online softmax (float32) over the blocks of each
+  token's block table up to the step's longest sequence (a while loop: a step of short prompts
+  reads few blocks, whatever the table's width). Memory: one block per token, A x C x K x H.
+  Same arguments and results as the kernel (query_lens given)."""
+  tokens, heads, head_dim = q.shape
+  _, num_pages, page_size, kv_heads, _ = k_all.shape
+  rows, width = tables.shape
+  group = heads // kv_heads
+  # [A]: each token's sequence, whether it is a query token (else padding) and its position
+  index = jnp.arange(tokens, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(query_starts[1:], index, side="right"), rows - 1)
+  offset = index - query_starts[seq]
+  real = (offset >= 0) & (offset < query_lens[seq])
+  position = seq_lens[seq] - query_lens[seq] + offset
+  page = jnp.where(real, tables[seq, jnp.clip(position // page_size, 0, width - 1)], num_pages)
+  k_all = k_all.at[layer, page, position % page_size].set(k.astype(k_all.dtype), mode="drop")
+  v_all = v_all.at[layer, page, position % page_size].set(v.astype(v_all.dtype), mode="drop")
+  highest = jax.lax.Precision.HIGHEST
+  # [A, K, G, H]
+  query = q.reshape(tokens, kv_heads, group, head_dim).astype(jnp.float32) / math.sqrt(head_dim)
+  blocks = jnp.max(jnp.where(real, position // page_size + 1, 0))
+
+  def block(j, carry):
+    acc, row_max, denom = carry
+    # [A, C, K, H]: block j of each token's table
+    at = tables[seq, jnp.minimum(j, width - 1)]
+    keys, values = (x[layer, at].astype(jnp.float32) for x in (k_all, v_all))
+    # [A, K, G, C]
+    scores = jnp.einsum("akgh,ackh->akgc", query, keys, precision=highest)
+    visible = (j * page_size + jnp.arange(page_size)[None, :] <= position[:, None]) & real[:, None]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+    safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    probs = jnp.exp(scores - safe[..., None])
+    rescale = jnp.exp(row_max - safe)
+    acc = acc * rescale[..., None] + jnp.einsum("akgc,ackh->akgh", probs, values,
+                                                precision=highest)
+    return acc, new_max, denom * rescale + jnp.sum(probs, axis=-1)
+
+  shape = (tokens, kv_heads, group)
+  acc, _, denom = jax.lax.fori_loop(
+      0, blocks, block, (jnp.zeros((*shape, head_dim), jnp.float32),
+                         jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)))
+  out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+  return out.reshape(tokens, heads, head_dim).astype(q.dtype), k_all, v_all
 
 
 def for_forward(config: ForwardConfig, mesh=None):

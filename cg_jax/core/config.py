@@ -30,7 +30,7 @@ from models.decoder import LAYER_LOOPS, cache_bytes
 ATTENTION_BACKENDS = ("xla", "pallas")
 # Largest readback lag and matmul row padding accepted.
 MAX_READBACK_LAG = 8
-# The prompt executables' GEMMs: "xla" leaves the choice to XLA (its autotuned Triton GEMM
+# The prefill steps' GEMMs: "xla" leaves the choice to XLA (its autotuned Triton GEMM
 # fusions, as the decode steps use), "cublas" turns Triton GEMMs off so that the long-M products
 # of a prefill go to cuBLAS. `EngineConfig.create` picks cuBLAS for models at least
 # CUBLAS_PREFILL_HIDDEN wide, where it gave the faster time to first token, and XLA below
@@ -52,7 +52,7 @@ MIN_STEP_TOKENS = 16
 # The KV-cache length when max_seq_len is not given: min(model context, DEFAULT_MAX_SEQ_LEN).
 DEFAULT_MAX_SEQ_LEN = 2048
 # Kept free beside the weights and the cache for the executables' activations and workspace: at
-# least this, or ACTIVATION_TENSORS tensors as wide as the MLP over the largest prompt call.
+# least this, or ACTIVATION_TENSORS tensors as wide as the MLP over the largest call.
 MIN_ACTIVATION_RESERVE = 1 << 30
 ACTIVATION_TENSORS = 4
 
@@ -136,7 +136,7 @@ class EngineConfig:
   buckets: batch and prompt-length buckets; the cache holds `buckets.max_batch` rows.
   forward: how the forward paths run (`ForwardConfig`).
   graphs: CUDA-graph mode (`cg_jax.core.graphs.GRAPH_MODES`).
-  prefill_gemm: the GEMM backend of the prompt executables (`PREFILL_GEMMS`).
+  prefill_gemm: the GEMM backend of the prefill steps and static prefills (`PREFILL_GEMMS`).
   readback_lag: decode steps launched ahead of the one whose tokens the host reads (0: each
     step is read synchronously).
   tensor_parallel: devices the model is split over (`cg_jax.core.sharding`).
@@ -277,8 +277,8 @@ class EngineConfig:
     min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below
     max_seq_len; a prefix cache of 4 x max_seq_len tokens; KV blocks of 64 tokens with the
     Pallas kernel, else of min(16, max_seq_len - 1), as many as `num_blocks` says unless
-    kv_blocks or gpu_memory_utilization is given; steps of up to DEFAULT_STEP_TOKENS tokens
-    (the prompt bucket when batch-invariant); the prompt
+    kv_blocks or gpu_memory_utilization is given; steps of up to DEFAULT_STEP_TOKENS tokens, at
+    most max_batch x max_seq_len (the prompt bucket when batch-invariant); the prompt
     executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
     the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
     min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
@@ -301,9 +301,12 @@ class EngineConfig:
       raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
                       f"{compiler_options!r}")
     buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets or ()))
-    if max_num_batched_tokens is None:
-      max_num_batched_tokens = (buckets.prompt_lengths[0] if batch_invariant is True
-                                else DEFAULT_STEP_TOKENS["gpu" if on_gpu() else "cpu"])
+    if max_num_batched_tokens is None and batch_invariant is True:
+      max_num_batched_tokens = buckets.prompt_lengths[0]
+    elif max_num_batched_tokens is None and _is_int(max_seq_len):
+      # (no more than every row's whole context)
+      max_num_batched_tokens = min(DEFAULT_STEP_TOKENS["gpu" if on_gpu() else "cpu"],
+                                   buckets.max_batch * max_seq_len)
     if batch_invariant is True and buckets.max_batch > MAX_MATMUL_ROWS:
       raise ValueError(f"batch_invariant=True pads decode steps to the largest batch bucket, at "
                        f"most {MAX_MATMUL_ROWS}; got batch_buckets={buckets.batch_sizes}")
@@ -376,7 +379,7 @@ class EngineConfig:
 
   @property
   def prefill_xla_options(self) -> dict[str, Any]:
-    """The XLA options of the prompt executables: `xla_options` with the prefill GEMM choice
+    """The XLA options of the prefill executables (`PREFILL_KINDS`): `xla_options` with the prefill GEMM choice
     (the extras still win)."""
     return graph_modes.compiler_options(
         self.graphs, {**PREFILL_GEMMS[self.prefill_gemm], **dict(self.compiler_options)})

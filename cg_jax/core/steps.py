@@ -77,7 +77,7 @@ class StepFunctions:
     return self._head(model, hidden), cache
 
   def _head(self, model, hidden):
-    """A prompt call's vocabulary projection, hidden [B, D] -> float32 logits [B, V], on at
+    """A prefill call's vocabulary projection, hidden [B, D] -> float32 logits [B, V], on at
     least `min_matmul_rows` rows: with cuBLAS GEMMs a one-row product runs as a float32 GEMV
     over a float32 copy of the whole head (results/ttft_probe_h200.md)."""
     batch = hidden.shape[0]

@@ -1,5 +1,6 @@
-"""Ragged paged attention (interpret mode) and its jnp reference against float64 NumPy attention
-over each sequence's keys, on mixed batches: decode rows, prefill chunks after cached context,
+"""Ragged paged attention (interpret mode), its jnp reference and the engine's XLA path
+(`cg_jax.core.attention.ragged_attention_xla`) against float64 NumPy attention over each sequence's
+keys, on mixed batches: decode rows, prefill chunks after cached context,
 fresh prompts, sequences with no query token and padding tokens; the pages' writes checked slot
 by slot; validation; tiles; lowering for an H200."""
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cg_jax.core.attention import ragged_attention_xla
 from cg_jax.kernels.ragged_paged_attention import (RaggedPagedAttentionConfig,
                                                    ragged_paged_attention,
                                                    ragged_paged_attention_reference, tile_layout)
@@ -121,7 +123,7 @@ def _expected(case: Case, arrays, index, layer: int):
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("kernel", ["pallas", "reference"])
+@pytest.mark.parametrize("kernel", ["pallas", "reference", "xla"])
 def test_matches_float64_attention_and_writes_only_the_new_slots(case, kernel):
   arrays, index = _inputs(case)
   layer = 1
@@ -129,8 +131,13 @@ def test_matches_float64_attention_and_writes_only_the_new_slots(case, kernel):
   if kernel == "pallas":
     got = ragged_paged_attention(**arrays, layer=jnp.int32(layer), **index, config=case.config,
                                  decode_only=case.decode_only, interpret=True)
-  else:
+  elif kernel == "reference":
     got = ragged_paged_attention_reference(**arrays, layer=layer, **index)
+  else:  # the engine's XLA path (blocks of keys in a loop), query_lens always given
+    lens = index.get("query_lens", jnp.diff(index["query_starts"]))
+    got = jax.jit(ragged_attention_xla)(
+        arrays["q"], arrays["k_new"], arrays["v_new"], arrays["k_pages"], arrays["v_pages"],
+        jnp.int32(layer), index["block_tables"], index["seq_lens"], index["query_starts"], lens)
   out, k_pages, v_pages = (np.asarray(x, np.float64) for x in got)
   assert_kernel_close(out, want, case.dtype, f"{kernel} attention")
   query = np.zeros(len(out), bool)
