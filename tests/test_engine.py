@@ -453,36 +453,6 @@ def test_prefill_gemm_default_follows_the_model_width():
   assert EngineConfig.create(preset("gpt2"), prefill_gemm="cublas").prefill_gemm == "cublas"
 
 
-def test_decode_steps_that_share_gemms_compile_after_the_first_of_them(monkeypatch):
-  """Warm-up compiles in two waves: the first decode step of each padded row count (rows 8:
-  batches 1, 2, 4, 8; rows 16) and every other executable, then the rest of those decode steps,
-  whose GEMM configs XLA's autotuning cache then holds."""
-  engine = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1, 2, 8, 16),
-                  prompt_buckets=(16,), max_num_batched_tokens=16, compilation_cache=False)
-  table = engine.executables
-  assert table.autotune_group(("decode", 2, False)) == table.autotune_group(("logprobs", 8))
-  assert table.autotune_group(("decode", 16, True)) == ("decode", 16)
-  assert table.autotune_group(("step", 16)) is None
-  events = []
-  compile_one = table._compile
-
-  def recording(key):
-    events.append(("start", key))
-    result = compile_one(key)
-    events.append(("end", key))
-    return result
-
-  monkeypatch.setattr(table, "_compile", recording)
-  engine.warmup(progress=False, workers=4)
-  starts = [key for kind, key in events if kind == "start"]
-  second = {("decode", 1, False), ("decode", 2, True), ("decode", 2, False), ("decode", 8, True),
-            ("decode", 8, False), ("decode", 16, False)}
-  assert set(starts[-len(second):]) == second
-  last_of_first = max(events.index(("end", key)) for key in starts[:-len(second)])
-  assert all(events.index(("start", key)) > last_of_first for key in second)
-  assert engine.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[])
-
-
 def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
   engine = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,), prompt_buckets=(16,),
                   prefill_gemm="cublas", compilation_cache=False)

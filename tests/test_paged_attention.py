@@ -1,7 +1,8 @@
 """The model over a paged KV cache (`cg_jax.core.attention.PagedAttention`, XLA and the ragged
 paged kernel interpreted) equals the model over the slot cache: a prefill with an empty row, a
-chunk at each row's offset, decode steps with an idle row; the pages hold each row's keys at
-the slots its block table names and nothing else is written."""
+chunk at each row's offset (on the paged cache: an engine step's flat batch, `RaggedAttention`),
+decode steps with an idle row; the pages hold each row's keys at the slots its block table names
+and nothing else is written."""
 
 import functools
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cg_jax.core.attention import PagedAttention
+from cg_jax.core.attention import PagedAttention, RaggedAttention
 from cg_jax.kernels.ragged_paged_attention import RaggedPagedAttentionConfig
 from models import Decoder, init_cache
 from models.attention import XlaAttention
@@ -36,12 +37,25 @@ def _calls(model, attention, cache):
       tokens, lengths, cache)
   outs.append(np.asarray(hidden[:2]))
   # [3, 8]: row 0 at 16..23, row 1's 5 tokens at 9..13, row 2 none
-  chunk = jnp.asarray(rng.integers(0, vocab, (3, 8)), jnp.int32)
+  chunk = rng.integers(0, vocab, (3, 8))
   offsets = np.arange(8)
   positions = np.stack([16 + offsets, np.where(offsets < 5, 9 + offsets, -1), -np.ones(8, int)])
-  hidden, cache = jax.jit(functools.partial(model.extend_hidden, attention=attention))(
-      chunk, jnp.asarray(positions, jnp.int32), jnp.arange(3, dtype=jnp.int32), cache)
-  outs.append(np.asarray(hidden)[positions >= 0])
+  if isinstance(attention, PagedAttention):
+    # One step: the 13 tokens end to end in a flat batch of 16, row 2 without a token.
+    flat = np.zeros((1, 16), np.int32)
+    flat[0, :13] = chunk[positions >= 0]
+    ragged = RaggedAttention(attention, *(jnp.asarray(x, jnp.int32) for x in
+                                          ([0, 8, 13, 13], [8, 5, 0], [24, 14, 0])))
+    step_positions = np.full((1, 16), -1)
+    step_positions[0, :13] = positions[positions >= 0]
+    hidden, cache = jax.jit(functools.partial(model.extend_hidden, attention=ragged))(
+        jnp.asarray(flat), jnp.asarray(step_positions, jnp.int32), None, cache)
+    outs.append(np.asarray(hidden)[0, :13])
+  else:
+    hidden, cache = jax.jit(functools.partial(model.extend_hidden, attention=attention))(
+        jnp.asarray(chunk, jnp.int32), jnp.asarray(positions, jnp.int32),
+        jnp.arange(3, dtype=jnp.int32), cache)
+    outs.append(np.asarray(hidden)[positions >= 0])
   step = jax.jit(functools.partial(model.decode_hidden, attention=attention))
   for i in range(3):
     token = jnp.asarray(rng.integers(0, vocab, (3,)), jnp.int32)

@@ -19,7 +19,7 @@ def test_config_checks_the_prefix_cache_and_sizes_the_paged_cache():
   config = EngineConfig.create(model, max_seq_len=64, prompt_buckets=(16,), attention="xla")
   assert (config.prefix_cache_tokens, config.prefix_block, config.prefix_blocks) == (256, 16, 16)
   # A full block table per row of the largest batch bucket (W = 64 / 16), and the prefix's.
-  assert (config.table_width, config.num_blocks, config.scratch_block) == (4, 4 * 64 + 16, 272)
+  assert (config.table_width, config.num_blocks, config.scratch_block) == (4, 4 * 32 + 16, 144)
   assert EngineConfig.create(model, max_seq_len=64, prompt_buckets=(16,), attention="xla",
                              prefix_cache_tokens=0).prefix_blocks == 0
   with pytest.raises(ValueError, match=r"prefix_cache_tokens must be 0 \(off\) or an int >= "

@@ -12,7 +12,7 @@ contract and the plain-XLA reference).
                    [L, M, C, K, H] and row b of a call reads and writes the blocks of its own
                    block table; the ragged paged kernel (one call per layer, the cache write
                    fused; its decode specialization for decode steps), except fresh prompts
-                   (flash kernel, pages written by a scatter), or gathered pages with XLA ops.
+                   (flash kernel, pages written by a scatter), or `ragged_attention_xla`.
                    The decode steps and the static prefill.
   RaggedAttention  an engine step's `extend`: one row of A tokens that holds many requests'
                    chunks end to end, each at its own cache offset over its own block table;
@@ -37,7 +37,7 @@ from cg_jax.core.config import ForwardConfig
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
 from cg_jax.kernels.ragged_paged_attention import (PREFILL, RaggedPagedAttentionConfig,
                                                    ragged_paged_attention)
-from models.attention import XlaAttention, softmax_attention
+from models.attention import XlaAttention
 
 
 def interpret_pallas() -> bool:
@@ -91,9 +91,6 @@ class RealRows:
   def prefill(self, q, k, v, lengths, k_all, v_all, layer):
     return self.inner.prefill(q, k, v, lengths, k_all, v_all, layer)
 
-  def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
-    return self.inner.extend(q, k, v, positions, rows, k_all, v_all, layer)
-
   def decode(self, q, k, v, positions, k_all, v_all, layer):
     # q [P, N, H]; k, v [P, K, H]; positions [P] -> the real rows [0, rows)
     rows, padded = self.rows, q.shape[0]
@@ -105,14 +102,15 @@ class RealRows:
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
-  """Attention over a paged KV cache (k_all, v_all [L, M, C, K, H]): row b of a prefill,
-  extend or decode call owns the blocks `tables[b]` (int32 [B, W]; position p of the row lives
-  in slot p % C of block tables[b, p // C]). Idle and padding rows write nothing.
+  """Attention over a paged KV cache (k_all, v_all [L, M, C, K, H]): row b of a prefill or
+  decode call owns the blocks `tables[b]` (int32 [B, W]; position p of the row lives in slot
+  p % C of block tables[b, p // C]); an engine step's flat batch of chunks attends through
+  `ragged` (`RaggedAttention`). Idle and padding rows write nothing.
 
   Args:
     inner: the cache-free `causal` attention (XLA or the Pallas flash kernel).
     tables: int32 [B, W], the call's rows' block tables (traced).
-    kernel: the ragged paged kernel (else XLA: the rows' pages gathered, then masked softmax).
+    kernel: the ragged paged kernel (else XLA ops: `ragged_attention_xla`).
     config: the kernel's block config for decode steps; prefill_config: for prompt chunks.
     mesh: the tensor-parallel mesh (heads split over it) or None.
     interpret: run the kernel in the Pallas interpreter.
@@ -131,20 +129,13 @@ class PagedAttention:
 
   def prefill(self, q, k, v, lengths, k_all, v_all, layer):
     # q [B, S, N, H]: row b's first lengths[b] tokens at positions 0..
-    starts = jnp.zeros_like(lengths)
     if self.kernel:
       # Fresh prompts read nothing from the cache: the flash kernel attends them (the ragged
       # kernel is slower there: results/ragged_paged_attention_v3_h200.md) and their keys and
       # values go into their pages a block at a time.
       k_all, v_all = self._write_blocks(k, v, lengths, k_all, v_all, layer)
       return self.inner.causal(q, k, v, lengths), k_all, v_all
-    return self._rows(q, k, v, starts, lengths, k_all, v_all, layer, self.prefill_config)
-
-  def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
-    # q [B, C, N, H]; positions [B, C]: a row's real tokens first, at consecutive positions,
-    # padding (-1) after. `rows` is not needed: the tables are the call's rows' own.
-    counts = jnp.sum(positions >= 0, axis=1, dtype=jnp.int32)
-    return self._rows(q, k, v, jnp.maximum(positions[:, 0], 0), counts, k_all, v_all, layer,
+    return self._rows(q, k, v, jnp.zeros_like(lengths), lengths, k_all, v_all, layer,
                       self.prefill_config)
 
   def decode(self, q, k, v, positions, k_all, v_all, layer):
@@ -157,36 +148,14 @@ class PagedAttention:
   def _rows(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only=False):
     """Row b's first counts[b] tokens of q [B, S, N, H] (k, v [B, S, K, H]) at positions
     starts[b].., attending causally to its keys; the other tokens are padding (zeros out)."""
-    batch = q.shape[0]
-    if self.kernel:
-      return self._kernel(q, k, v, starts, counts, k_all, v_all, layer, config, decode_only)
-    _, _, page_size, kv_heads, head_dim = k_all.shape
-    width = self.tables.shape[1]
-    k_all, v_all, position, real = self._write(k, v, starts, counts, k_all, v_all, layer)
-    # [B, W C, K, H]: each row's keys and values in position order
-    keys = k_all[layer][self.tables].reshape(batch, width * page_size, kv_heads, head_dim)
-    values = v_all[layer][self.tables].reshape(keys.shape)
-    # [B, S, W C]
-    mask = (jnp.arange(width * page_size)[None, None, :] <= position[:, :, None]) & real[..., None]
-    out = softmax_attention(q, keys, values, mask)
-    return jnp.where(real[..., None, None], out, 0), k_all, v_all
-
-  def _write(self, k, v, starts, counts, k_all, v_all, layer):
-    """Row b's first counts[b] keys and values of k, v [B, S, K, H] scattered into its pages at
-    positions starts[b].. (the other tokens dropped); also returns each token's position and
-    whether it is real, [B, S]."""
-    num_pages, page_size = k_all.shape[1], k_all.shape[2]
-    width = self.tables.shape[1]
-    # [B, S]: each token's position, whether it is real, its block and slot
-    offsets = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
-    position = starts[:, None] + offsets
-    real = offsets < counts[:, None]
-    page = jnp.where(real, jnp.take_along_axis(
-        self.tables, jnp.clip(position // page_size, 0, width - 1), axis=1), num_pages)
-    slot = position % page_size
-    k_all = k_all.at[layer, page, slot].set(k.astype(k_all.dtype), mode="drop")
-    v_all = v_all.at[layer, page, slot].set(v.astype(v_all.dtype), mode="drop")
-    return k_all, v_all, position, real
+    batch, size, heads, head_dim = q.shape
+    # A [B, S] grid of right-padded rows: regions of S tokens, counts[b] of them real.
+    region_starts = jnp.arange(batch + 1, dtype=jnp.int32) * size
+    # [B, S, N, H] -> [B S, N, H]
+    flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731
+    out, k_all, v_all = self.ragged(flat(q), flat(k), flat(v), k_all, v_all, layer,
+                                    starts + counts, region_starts, counts, config, decode_only)
+    return out.reshape(batch, size, heads, head_dim), k_all, v_all
 
   def _write_blocks(self, k, v, lengths, k_all, v_all, layer):
     """Fresh prompts' keys and values k, v [B, S, K, H] (row b's first lengths[b] tokens at
@@ -212,16 +181,6 @@ class PagedAttention:
     table = jnp.where(used, self.tables[:, :pages], past)
     return (k_all.at[layer, table].set(blocks(k), mode="drop", unique_indices=True),
             v_all.at[layer, table].set(blocks(v), mode="drop", unique_indices=True))
-
-  def _kernel(self, q, k, v, starts, counts, k_all, v_all, layer, config, decode_only):
-    batch, size, heads, head_dim = q.shape
-    # A [B, S] grid of right-padded rows: regions of S tokens, counts[b] of them real.
-    region_starts = jnp.arange(batch + 1, dtype=jnp.int32) * size
-    # [B, S, N, H] -> [B S, N, H]
-    flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731
-    out, k_all, v_all = self.ragged(flat(q), flat(k), flat(v), k_all, v_all, layer,
-                                    starts + counts, region_starts, counts, config, decode_only)
-    return out.reshape(batch, size, heads, head_dim), k_all, v_all
 
   def ragged(self, q, k, v, k_all, v_all, layer, seq_lens, query_starts, query_lens, config,
              decode_only=False):
@@ -328,8 +287,9 @@ def for_forward(config: ForwardConfig, mesh=None):
 
 def paged_for_forward(config: ForwardConfig, mesh=None) -> PagedAttention:
   """The paged attention of a forward config, without tables (`dataclasses.replace` them in per
-  call): the ragged paged kernel with Pallas attention, gathered pages with XLA. Batch-invariant
-  configs fix the kernel's split count by the block table alone (min_programs 0)."""
+  call): the ragged paged kernel with Pallas attention, `ragged_attention_xla` with XLA.
+  Batch-invariant configs fix the kernel's split count by the block table alone (min_programs
+  0)."""
   decode, prefill = RaggedPagedAttentionConfig(), PREFILL
   if config.batch_invariant:
     decode, prefill = (dataclasses.replace(c, min_programs=0) for c in (decode, prefill))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def powers_of_two(lowest: int, highest: int) -> tuple[int, ...]:

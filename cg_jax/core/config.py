@@ -43,8 +43,8 @@ CUBLAS_PREFILL_HIDDEN = 2048
 MAX_MATMUL_ROWS = 64
 # The prompt chunk of `batch_invariant` engines unless prompt_buckets names one.
 INVARIANT_CHUNK = 256
-# Prompt tokens one engine step takes at most (`max_num_batched_tokens`) unless given: on a GPU,
-# and elsewhere (where the attention gathers each token's pages: memory per token).
+# Prompt tokens one engine step takes at most (`max_num_batched_tokens`) unless given, on a GPU
+# and elsewhere (a CPU takes longer per token: smaller steps hold the decode rows for less).
 DEFAULT_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
 MAX_STEP_TOKENS = 1 << 16
 # The smallest token bucket of an engine step.
@@ -379,8 +379,8 @@ class EngineConfig:
 
   @property
   def prefill_xla_options(self) -> dict[str, Any]:
-    """The XLA options of the prefill executables (`PREFILL_KINDS`): `xla_options` with the prefill GEMM choice
-    (the extras still win)."""
+    """The XLA options of the prefill executables (`executables.PREFILL_KINDS`): `xla_options`
+    with the prefill GEMM choice (the extras still win)."""
     return graph_modes.compiler_options(
         self.graphs, {**PREFILL_GEMMS[self.prefill_gemm], **dict(self.compiler_options)})
 

@@ -237,22 +237,11 @@ class ExecutableTable:
       _save(path, exe)
     return exe, time.perf_counter() - start
 
-  def autotune_group(self, key: tuple) -> tuple | None:
-    """What a key's GEMMs depend on, for keys whose executables run the same GEMM fusions
-    (None: no other key shares them). The decode steps of one padded row count
-    (max(batch, min_matmul_rows)), greedy, sampling or scored, multiply the same matrices: once
-    one has been compiled, XLA's in-process autotuning cache serves the others' GEMM configs."""
-    if key[0] in ("decode", "logprobs"):
-      return ("decode", max(key[1], self.config.forward.min_matmul_rows))
-    return None
-
   def compile(self, keys: Sequence[tuple], progress: bool = True, workers: int | None = None,
               on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Load the stored executables of `keys` (in this thread) and compile the others on
-    `workers` threads (None: one per CPU core; XLA compiles outside the GIL), in two waves: the
-    first key of each `autotune_group` and the keys of none, then the rest of the groups (their
-    GEMMs tuned by then: concurrent compiles of one group would each autotune them, on one
-    GPU); {name: compile or load seconds of that key}.
+    `workers` threads (None: one per CPU core; XLA compiles outside the GIL); {name: compile or
+    load seconds of that key}.
 
     With `progress`, a bar on stderr counts the executables compiled here (its total: those
     neither compiled before nor stored; no bar when there are none). It redraws at most every
@@ -277,22 +266,13 @@ class ExecutableTable:
         done += 1
         if on_progress is not None:
           on_progress(done, len(unique))
-    if not todo:
-      return self._seconds(keys)
-    leaders: dict[tuple, tuple] = {}
-    for key in todo:
-      group = self.autotune_group(key)
-      if group is not None and group not in leaders:
-        leaders[group] = key
-    first = [k for k in todo if self.autotune_group(k) is None or k in leaders.values()]
-    waves = [first, [k for k in todo if k not in first]]
-    workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
-    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cg_jax-compile")
-    bar = tqdm(total=len(todo), desc="compiling", unit="exe", disable=not progress,
-               file=sys.stderr, mininterval=_bar_interval())
-    try:
-      for wave in waves:
-        futures = {pool.submit(self._compile, key): key for key in wave}
+    if todo:
+      workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
+      pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cg_jax-compile")
+      bar = tqdm(total=len(todo), desc="compiling", unit="exe", disable=not progress,
+                 file=sys.stderr, mininterval=_bar_interval())
+      try:
+        futures = {pool.submit(self._compile, key): key for key in todo}
         for future in concurrent.futures.as_completed(futures):
           key = futures[future]
           self.compiled[key], self.compile_seconds[key] = future.result()
@@ -300,12 +280,9 @@ class ExecutableTable:
           done += 1
           if on_progress is not None:
             on_progress(done, len(unique))
-    finally:  # on an error, the compiles not started are dropped; the running ones finish
-      pool.shutdown(wait=True, cancel_futures=True)
-      bar.close()
-    return self._seconds(keys)
-
-  def _seconds(self, keys: Sequence[tuple]) -> dict[str, float]:
+      finally:  # on an error, the compiles not started are dropped; the running ones finish
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
     return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
 
   def share(self, other: "ExecutableTable", *, except_kinds: tuple[str, ...] = ()) -> None:
