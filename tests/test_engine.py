@@ -387,6 +387,10 @@ def test_kv_blocks_given_and_their_errors():
     (dict(min_matmul_rows=2.0), "min_matmul_rows must be an int"),
     (dict(readback_lag=9), r"readback_lag must be an int in \[0, 8\], got 9"),
     (dict(graphs="all"), r"graphs must be one of \('off', 'xla-default', 'full'\), got 'all'"),
+    (dict(max_num_batched_tokens=0),
+     r"max_num_batched_tokens must be an int in \[1, 65536\], got 0"),
+    (dict(max_num_batched_tokens=512, batch_invariant=True),
+     r"max_num_batched_tokens must equal the prompt bucket \(256\), got 512"),
 ])
 def test_bad_engine_options(options, match):
   with pytest.raises(ValueError, match=match):
