@@ -3,13 +3,14 @@ workloads; the rows it appends to --output (schema, workload, sane figures), the
 prints, --compare's earlier rows beside this run's, and bad arguments (exit 2 naming the
 flag)."""
 
+import argparse
 import dataclasses
 import json
 
 import pytest
 
 from cg_jax import cli
-from cg_jax.bench import rows
+from cg_jax.bench import options, rows
 from models.config import PRESETS
 
 MODEL = "tiny-llama"
@@ -165,3 +166,11 @@ def test_rows_round_trip(tmp_path):
   rows.write(path, [row, dataclasses.replace(row, system="t")])
   assert [r.system for r in rows.read([path])] == ["s", "t"]
   assert json.loads(row.to_json())["schema"] == rows.SCHEMA
+
+
+def test_a_given_step_budget_is_named_in_the_rows_workload():
+  args = argparse.Namespace(system="cg_jax", model=MODEL, max_num_batched_tokens=64)
+  given = options.row(args, {"kind": "latency"}, {"step_us": 1.0}, device="cpu")
+  assert given.workload == {"kind": "latency", "max_num_batched_tokens": 64}
+  args.max_num_batched_tokens = None  # the default: rows stay comparable with earlier ones
+  assert options.row(args, {"kind": "latency"}, {}, device="cpu").workload == {"kind": "latency"}

@@ -120,6 +120,11 @@ def engine_options(args, batch_buckets: Sequence[int] | None,
 
 def row(args, workload: dict[str, Any], figures: dict[str, float],
         device: str | None = None) -> rows.Row:
-  """This run's row: `--system`, `--model`, the workload, the figures and where it ran."""
-  return rows.Row(system=args.system, model=args.model, workload=dict(workload),
+  """This run's row: `--system`, `--model`, the workload (with `--max-num-batched-tokens` when
+  given: rows of the default stay comparable with earlier ones), the figures and where it
+  ran."""
+  workload = dict(workload)
+  if getattr(args, "max_num_batched_tokens", None) is not None:
+    workload["max_num_batched_tokens"] = args.max_num_batched_tokens
+  return rows.Row(system=args.system, model=args.model, workload=workload,
                   figures={k: float(v) for k, v in figures.items()}, **rows.where(device))

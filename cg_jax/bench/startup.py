@@ -84,11 +84,9 @@ def run(args) -> list[rows.Row]:
   options.integer("--max-seq-len", args.max_seq_len, 2, optional=True)
   options.int_list("--batch-buckets", args.batch_buckets)
   options.int_list("--prompt-buckets", args.prompt_buckets)
-  budget = options.integer("--max-num-batched-tokens", args.max_num_batched_tokens, optional=True)
+  options.integer("--max-num-batched-tokens", args.max_num_batched_tokens, optional=True)
   workload = dict(max_seq_len=args.max_seq_len, batch_buckets=args.batch_buckets,
-                  prompt_buckets=args.prompt_buckets,
-                  # (named only when given: rows of the default stay comparable with earlier ones)
-                  **({} if budget is None else {"max_num_batched_tokens": budget}))
+                  prompt_buckets=args.prompt_buckets)
   result = []
   with tqdm(total=len(which) * len(starts), desc="startup", unit="start") as bar:
     for what in which:
