@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from cg_jax.core.config import ForwardConfig
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
 from cg_jax.kernels.ragged_paged_attention import (PREFILL, RaggedPagedAttentionConfig,
-                                                   ragged_paged_attention)
+                                                   ragged_paged_attention, token_positions)
 from models.attention import XlaAttention
 
 
@@ -236,14 +236,10 @@ def ragged_attention_xla(q, k, v, k_all, v_all, layer, tables, seq_lens, query_s
   Same arguments and results as the kernel (query_lens given)."""
   tokens, heads, head_dim = q.shape
   _, num_pages, page_size, kv_heads, _ = k_all.shape
-  rows, width = tables.shape
+  width = tables.shape[1]
   group = heads // kv_heads
   # [A]: each token's sequence, whether it is a query token (else padding) and its position
-  index = jnp.arange(tokens, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(query_starts[1:], index, side="right"), rows - 1)
-  offset = index - query_starts[seq]
-  real = (offset >= 0) & (offset < query_lens[seq])
-  position = seq_lens[seq] - query_lens[seq] + offset
+  seq, real, position = token_positions(query_starts, query_lens, seq_lens, tokens)
   page = jnp.where(real, tables[seq, jnp.clip(position // page_size, 0, width - 1)], num_pages)
   k_all = k_all.at[layer, page, position % page_size].set(k.astype(k_all.dtype), mode="drop")
   v_all = v_all.at[layer, page, position % page_size].set(v.astype(v_all.dtype), mode="drop")

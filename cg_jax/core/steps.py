@@ -45,6 +45,7 @@ from cg_jax.core.attention import PagedAttention, RaggedAttention, RealRows
 from cg_jax.core.config import ForwardConfig
 from cg_jax.core.sampling import SamplingArrays, select_tokens, token_scores
 from cg_jax.core.weights import SplitModel
+from cg_jax.kernels.ragged_paged_attention import token_positions
 from models.decoder import KVCache
 
 
@@ -156,15 +157,10 @@ class StepFunctions:
     token [R] (meaningful when the step ends its prompt), the logits it was picked from and
     the cache."""
     model = self.split.merge(weights)
-    size, rows = tokens.shape[0], tables.shape[0]
-    # [A]: each token's request (R past the last), its offset there and its position (-1:
-    # padding)
-    index = jnp.arange(size, dtype=jnp.int32)
-    owner = jnp.searchsorted(query_starts[1:], index, side="right")
-    request = jnp.minimum(owner, rows - 1)
-    offset = index - query_starts[request]
-    real = (owner < rows) & (offset < query_lens[request])
-    positions = jnp.where(real, seq_lens[request] - query_lens[request] + offset, -1)
+    size = tokens.shape[0]
+    # [A]: each token's position (-1: padding)
+    _, real, position = token_positions(query_starts, query_lens, seq_lens, size)
+    positions = jnp.where(real, position, -1)
     attention = RaggedAttention(self._paged(tables), query_starts, query_lens, seq_lens)
     hidden, cache = model.extend_hidden(tokens[None], positions[None], None, cache,
                                         attention=attention, layer_loop=self.forward.layer_loop,

@@ -136,6 +136,22 @@ def _query_lens(query_starts, query_lens):
   return jnp.asarray(query_lens).astype(jnp.int32)
 
 
+def token_positions(query_starts, query_lens, seq_lens, tokens: int):
+  """Each token's place in a flat batch: (seq [A], the sequence whose region holds it (the last
+  for tokens past query_starts[R]); real [A], whether it is one of that sequence's query tokens
+  (else padding); position [A], its position in the sequence (meaningful where real)).
+
+  Args:
+    query_starts: int32 [R + 1]; query_lens, seq_lens: int32 [R]; tokens: A (static).
+  """
+  sequences = query_lens.shape[0]
+  token = jnp.arange(tokens, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(query_starts[1:], token, side="right"), sequences - 1)
+  offset = token - query_starts[seq]
+  real = (offset >= 0) & (offset < query_lens[seq])
+  return seq, real, seq_lens[seq] - query_lens[seq] + offset
+
+
 def tile_layout(query_starts, tokens: int, tile_tokens: int):
   """Tiles of at most `tile_tokens` query tokens, none holding two sequences; the padding tokens
   past query_starts[R] get tiles of their own (sequence R) so every output row is written.
@@ -585,14 +601,8 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_pages, v_pages, layer, b
   sequences, width = block_tables.shape
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
-  # [A] each token's sequence (the one whose region holds it), whether it is a query token
-  # (else padding) and its position
-  token = jnp.arange(tokens)
-  seq = jnp.searchsorted(query_starts[1:], token, side="right")
-  seq = jnp.minimum(seq, sequences - 1)
-  offset = token - query_starts[seq]
-  real = (offset >= 0) & (offset < query_lens[seq])
-  position = seq_lens[seq] - query_lens[seq] + offset
+  # [A] each token's sequence, whether it is a query token (else padding) and its position
+  seq, real, position = token_positions(query_starts, query_lens, seq_lens, tokens)
   page = jnp.where(real, block_tables[seq, jnp.clip(position // page_size, 0, width - 1)],
                    num_pages)
   slot = position % page_size
