@@ -146,7 +146,10 @@ def token_positions(query_starts, query_lens, seq_lens, tokens: int):
   """
   sequences = query_lens.shape[0]
   token = jnp.arange(tokens, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(query_starts[1:], token, side="right"), sequences - 1)
+  # (method "compare_all": an [A, R] comparison; the default search is a while loop, which on a
+  # GPU makes the host wait for the device to evaluate its condition)
+  seq = jnp.minimum(jnp.searchsorted(query_starts[1:], token, side="right",
+                                     method="compare_all"), sequences - 1)
   offset = token - query_starts[seq]
   real = (offset >= 0) & (offset < query_lens[seq])
   return seq, real, seq_lens[seq] - query_lens[seq] + offset
@@ -173,7 +176,7 @@ def tile_layout(query_starts, tokens: int, tile_tokens: int):
   ends = jnp.cumsum((lengths + tile_tokens - 1) // tile_tokens)
   # [X]
   tile = jnp.arange(count, dtype=jnp.int32)
-  tile_seq = jnp.searchsorted(ends, tile, side="right").astype(jnp.int32)
+  tile_seq = jnp.searchsorted(ends, tile, side="right", method="compare_all").astype(jnp.int32)
   first_tile = jnp.where(tile_seq > 0, ends[jnp.maximum(tile_seq - 1, 0)], 0)
   start = starts[jnp.minimum(tile_seq, sequences)] + (tile - first_tile) * tile_tokens
   return tile_seq, start.astype(jnp.int32)
