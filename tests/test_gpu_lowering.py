@@ -1,5 +1,6 @@
-"""The engine's decode step and device loop with Pallas attention lower for an (abstract) H200
-with every kernel as a Triton call: a CPU check that the GPU run will not fail at lowering."""
+"""The engine's decode and prompt steps with Pallas attention lower for an (abstract) H200 with
+every kernel as a Triton call and no loop outside the kernels: a CPU check that the GPU run will
+not fail at lowering, nor wait on the host for a loop's condition."""
 
 import re
 
@@ -10,16 +11,24 @@ from cg_jax import Engine
 from tests.kernels.kernel_test_base import lower_for_h200
 
 
-@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
-def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
+def _gpu_engine(preset, monkeypatch):
   # Build and trace as on a GPU (kernels compiled, not interpreted), lower for CUDA.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  engine = Engine.from_pretrained(preset, dtype="bfloat16", batch_buckets=(1, 4),
-                                  prompt_buckets=(16,), max_seq_len=128, attention="pallas",
-                                  layer_loop="unroll")
+  return Engine.from_pretrained(preset, dtype="bfloat16", batch_buckets=(1, 4),
+                                prompt_buckets=(16,), max_seq_len=128, attention="pallas",
+                                layer_loop="unroll")
+
+
+def _lowered(engine, key) -> str:
+  fn, args, donate, _, _ = engine.executables.signature(key)
+  return lower_for_h200(fn, *args, donate_argnums=donate)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
+def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
+  engine = _gpu_engine(preset, monkeypatch)
   layers = engine.model_config.num_layers
-  fn, args, donate, _, _ = engine.executables.signature(("decode", 4, True))
-  text = lower_for_h200(fn, *args, donate_argnums=donate)
+  text = _lowered(engine, ("decode", 4, True))
   # One paged-attention kernel per layer (its decode specialization), a Triton call; nothing
   # interpreted.
   calls = re.findall(r"call @(ragged_paged_attention\w*)\(", text)
@@ -27,3 +36,14 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   assert "custom_call @__gpu$xla.gpu.triton" in text
   # The cache write is part of the attention kernel (aliased caches): no scatter in the step.
   assert "stablehlo.scatter" not in text
+
+
+def test_prompt_steps_lower_without_loops(monkeypatch):
+  """A step's token layout (each token's sequence, the kernel's tiles) is computed without a
+  while loop: on a GPU the host would wait for the device to evaluate each condition
+  (`jnp.searchsorted`'s default method is such a loop)."""
+  engine = _gpu_engine("tiny-llama", monkeypatch)
+  for key in (("step", 16), ("step", engine.config.token_buckets[-1]), ("decode", 4, True)):
+    text = _lowered(engine, key)
+    assert "custom_call @__gpu$xla.gpu.triton" in text
+    assert "stablehlo.while" not in text, key
