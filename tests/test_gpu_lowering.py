@@ -1,6 +1,6 @@
 """The engine's decode and prompt steps with Pallas attention lower for an (abstract) H200 with
 every kernel as a Triton call and no loop outside the kernels: a CPU check that the GPU run will
-not fail at lowering, nor wait on the host for a loop's condition."""
+not fail at lowering, nor run a loop of small kernels per step."""
 
 import re
 
@@ -40,8 +40,8 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
 
 def test_prompt_steps_lower_without_loops(monkeypatch):
   """A step's token layout (each token's sequence, the kernel's tiles) is computed without a
-  while loop: on a GPU the host would wait for the device to evaluate each condition
-  (`jnp.searchsorted`'s default method is such a loop)."""
+  while loop (`jnp.searchsorted`'s default method is one: a loop of small kernels per step,
+  results/unified_step_h200.md)."""
   engine = _gpu_engine("tiny-llama", monkeypatch)
   for key in (("step", 16), ("step", engine.config.token_buckets[-1]), ("decode", 4, True)):
     text = _lowered(engine, key)
