@@ -16,7 +16,6 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
 
@@ -370,10 +369,10 @@ def load_checkpoint(path: str | os.PathLike, dtype="float32") -> tuple[DecoderCo
   path = os.fspath(path)
   config = config_from_hf(read_config(path))
   files = _safetensors_files(path)
-  # Read on the host CPU backend so no tensor is staged through an accelerator.
+  # NumPy arrays straight from the files (bfloat16 through ml_dtypes), nothing staged through a
+  # JAX array or an accelerator (benchmarks/results/checkpoint_load_cpu.md).
   with contextlib.ExitStack() as stack:
-    stack.enter_context(jax.default_device(jax.local_devices(backend="cpu")[0]))
-    handles = {file: stack.enter_context(safe_open(file, framework="flax"))
+    handles = {file: stack.enter_context(safe_open(file, framework="numpy"))
                for file in sorted(set(files.values()))}
     weights = convert_weights(
         config, lambda name: handles[files[name]].get_tensor(name), list(files), dtype)
