@@ -119,9 +119,13 @@ class Engine:
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
 
+    start = time.perf_counter()
     if weights is None:
       weights = random_weights(config, self.dtype, seed)
     self._split = place(config, weights, self.dtype, self._parallel)
+    # Seconds of the start's phases before warm-up (`stats()`): reading the checkpoint (set by
+    # `from_pretrained`) and placing the weights on the device (random ones made first).
+    self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": time.perf_counter() - start}
     mesh = None if self._parallel is None else self._parallel.mesh
     steps = StepFunctions(self._split, e.forward, attention.for_forward(e.forward, mesh),
                           attention.paged_for_forward(e.forward, mesh), e.tensor_parallel)
@@ -156,9 +160,13 @@ class Engine:
       return cls(PRESETS[name], None, dtype=dtype, **options)
     directory = resolve_model(name)
     dtype = default_dtype() if dtype is None else dtype
+    start = time.perf_counter()
     config, weights = hf.load_checkpoint(directory, dtype)
     options.setdefault("tokenizer", text.load_tokenizer(directory))
-    return cls(config, weights, dtype=dtype, **options)
+    read = time.perf_counter() - start
+    engine = cls(config, weights, dtype=dtype, **options)
+    engine._load_seconds["checkpoint_read_s"] = read
+    return engine
 
   @classmethod
   def from_state_dict(cls, hf_config: Mapping[str, Any] | DecoderConfig,
@@ -286,6 +294,7 @@ class Engine:
         "executables": len(self.executables.compiled),
         "warmup_seconds": sum(self.executables.compile_seconds.values()),
         "warmup_wall_s": self._warmup_wall_s,
+        **self._load_seconds,
         "compilation_cache_dir": self.compilation_cache_dir,
         "dtype": self.dtype.name,
         **self._scheduler.stats(),

@@ -110,7 +110,9 @@ def test_startup_engine_cold_then_warm(capsys, tmp_path):
                                 batch_buckets="1", prompt_buckets="16")
     _table_line(out, row)
     f = row.figures
-    assert 0 < f["load_s"] <= f["warmup_s"] <= f["first_answer_s"], f
+    assert 0 < f["import_s"] < f["load_s"] <= f["warmup_s"] <= f["first_answer_s"], f
+    # The loading's phases fit in it (a preset: random weights, no checkpoint to read).
+    assert "checkpoint_read_s" not in f and 0 < f["weights_place_s"] < f["load_s"] - f["import_s"]
     # cache, steps of 16 and 32 tokens (one row's context), first, greedy and sampling decode
     assert f["executables"] == 6 and 0 <= f["slowest_compile_s"] < f["warmup_s"], f
   # The warm start loads the executables the cold one compiled.

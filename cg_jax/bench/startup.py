@@ -4,10 +4,12 @@ and warm (the cache the cold start filled).
 Each start is a new Python process with the persistent compilation cache (and the serialized
 executables stored beside it) in one temporary directory: empty for the cold start, the same
 again for the warm one. Times are seconds from just before the process is spawned:
-  engine (`python -m cg_jax.bench.startup --child ...`, this module): `load_s` when
-    `Engine.from_pretrained` returns, `warmup_s` when `warmup()` returns, `first_answer_s`
-    when the first `generate` (a 4-token prompt, 4 new tokens) returns; also the number of
-    `executables` warm-up made and the `slowest_compile_s` of them;
+  engine (`python -m cg_jax.bench.startup --child ...`, this module): `import_s` when the
+    child has imported cg_jax, `load_s` when `Engine.from_pretrained` returns, `warmup_s` when
+    `warmup()` returns, `first_answer_s` when the first `generate` (a 4-token prompt, 4 new
+    tokens) returns; also the number of `executables` warm-up made, the `slowest_compile_s` of
+    them, and the loading's own phases as durations (`Engine.stats()`: `checkpoint_read_s`
+    unless the model is a preset, `weights_place_s`);
   serve (`python -m cg_jax serve --port 0`): `listen_s` when it logs "Uvicorn running on
     http://HOST:PORT", `ready_s` when GET /health first answers 200 (polled every 20 ms),
     `first_answer_s` when the first POST /v1/completions (4 tokens) returns; then SIGTERM, and
@@ -113,8 +115,10 @@ def _engine(args, cache: str) -> dict[str, float]:
   if done.returncode != 0:
     raise RuntimeError(f"the engine start failed ({done.returncode}): {done.stderr[-4000:]}")
   at = json.loads(done.stdout.strip().splitlines()[-1])
-  return {**{name: at[name] - begin for name in ("load_s", "warmup_s", "first_answer_s")},
-          "executables": at["executables"], "slowest_compile_s": at["slowest_compile_s"]}
+  return {**{name: at[name] - begin for name in ("import_s", "load_s", "warmup_s",
+                                                 "first_answer_s")},
+          **{name: at[name] for name in ("executables", "slowest_compile_s", "checkpoint_read_s",
+                                         "weights_place_s") if at[name] is not None}}
 
 
 def _request(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
@@ -182,8 +186,10 @@ def _serve(args, cache: str) -> dict[str, float]:
 
 
 def _child(argv: list[str]) -> None:
-  """The engine start: prints {"load_s", "warmup_s", "first_answer_s"} as epoch seconds, the
-  executables warmed up and the slowest one's compile (or load) seconds."""
+  """The engine start: prints {"import_s", "load_s", "warmup_s", "first_answer_s"} as epoch
+  seconds, the executables warmed up, the slowest one's compile (or load) seconds and the
+  loading's phases (durations)."""
+  imported = time.time()  # (this module's imports, cg_jax's among them, are done)
   parser = argparse.ArgumentParser(prog="python -m cg_jax.bench.startup")
   parser.add_argument("--child", action="store_true", required=True)
   parser.add_argument("--cache", required=True)
@@ -198,9 +204,12 @@ def _child(argv: list[str]) -> None:
   warm = time.time()
   engine.generate([PROMPT], ANSWER_TOKENS, eos_token_id=[])
   answered = time.time()
+  stats = engine.stats()
   engine.close()
-  print(json.dumps({"load_s": loaded, "warmup_s": warm, "first_answer_s": answered,
-                    "executables": len(seconds), "slowest_compile_s": max(seconds.values())}))
+  print(json.dumps({"import_s": imported, "load_s": loaded, "warmup_s": warm,
+                    "first_answer_s": answered, "executables": len(seconds),
+                    "slowest_compile_s": max(seconds.values()),
+                    **{name: stats[name] for name in ("checkpoint_read_s", "weights_place_s")}}))
 
 
 if __name__ == "__main__":
