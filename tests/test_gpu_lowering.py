@@ -36,6 +36,7 @@ def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   assert "custom_call @__gpu$xla.gpu.triton" in text
   # The cache write is part of the attention kernel (aliased caches): no scatter in the step.
   assert "stablehlo.scatter" not in text
+  assert "stablehlo.while" not in text  # (no loop outside the kernels, as the prompt steps)
 
 
 def test_prompt_steps_lower_without_loops(monkeypatch):
@@ -43,7 +44,7 @@ def test_prompt_steps_lower_without_loops(monkeypatch):
   while loop (`jnp.searchsorted`'s default method is one: a loop of small kernels per step,
   results/unified_step_h200.md)."""
   engine = _gpu_engine("tiny-llama", monkeypatch)
-  for key in (("step", 16), ("step", engine.config.token_buckets[-1]), ("decode", 4, True)):
+  for key in (("step", 16), ("step", engine.config.token_buckets[-1])):
     text = _lowered(engine, key)
     assert "custom_call @__gpu$xla.gpu.triton" in text
     assert "stablehlo.while" not in text, key
