@@ -350,7 +350,7 @@ def _safetensors_files(path: str) -> dict[str, str]:
         raise CheckpointError(f"missing shard file {shard!r} listed in {index_path}")
     return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
   if os.path.isfile(single_path):
-    with safe_open(single_path, framework="flax") as f:
+    with safe_open(single_path, framework="numpy") as f:
       return {name: single_path for name in f.keys()}
   found = sorted(os.listdir(path))
   raise CheckpointError(
