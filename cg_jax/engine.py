@@ -1,9 +1,9 @@
 """The engine: the front end over weights on the device, one preallocated KV cache and a table of
 executables compiled ahead of time per (phase, bucket).
 
-Request path: validate on the host -> the scheduler's queue -> prompt chunks padded to their
-(batch, length) bucket, with the first token -> decode steps over the batch. Nothing on that
-path compiles once `warmup()` has run. The jobs live in their own modules: `cg_jax.core.config` (the
+Request path: validate on the host -> the scheduler's queue -> engine steps, each one
+executable over a flat batch of tokens (a token bucket): the running requests' decode tokens and
+prompt chunks together. Nothing on that path compiles once `warmup()` has run. The jobs live in their own modules: `cg_jax.core.config` (the
 configuration tree), `cg_jax.core.weights` (placement), `cg_jax.core.executables` (the executable table),
 `cg_jax.core.scheduler` (continuous batching), `cg_jax.generation` (results and their text),
 `cg_jax.core.kv_cache` (the cache's lifecycle), `cg_jax.sampling_params` (a request's sampling
@@ -128,7 +128,8 @@ class Engine:
     self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": time.perf_counter() - start}
     mesh = None if self._parallel is None else self._parallel.mesh
     steps = StepFunctions(self._split, e.forward, attention.for_forward(e.forward, mesh),
-                          attention.paged_for_forward(e.forward, mesh), e.tensor_parallel)
+                          attention.paged_for_forward(e.forward, mesh), e.tensor_parallel,
+                          carry_rows=e.step_rows)
     # Compiled executables are also stored serialized beside the compilation cache.
     store = None if compilation_cache is False else self.compilation_cache_dir
     self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)
@@ -254,9 +255,9 @@ class Engine:
     """Compile every (phase, bucket) executable ahead of time, in parallel on `workers` threads
     (None: one per CPU core), and allocate the KV cache.
 
-    By default the executables that `generate`, `stream` and `submit` use: a prefill step per
-    token bucket (`EngineConfig.token_buckets`), the first-token draw of a step's sampling rows, a
-    greedy and a sampling decode step per batch bucket, and the paged cache
+    By default the executables that `generate`, `stream` and `submit` use: a step per token
+    bucket (`EngineConfig.token_buckets`: decode rows and prompt chunks together), the draw of
+    a step's sampling rows per step row count, and the paged cache
     (`executable_keys()` lists them); `phases=cg_jax.core.executables.PHASES`
     adds the log-probability and static-path ones. Narrow it to the buckets you will use
     (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start

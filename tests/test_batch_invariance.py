@@ -1,5 +1,5 @@
 """Batch-invariant engines: a request's tokens and log-probabilities, bit for bit, do not depend
-on the requests around it, its slot, the batch bucket, or the prefix cache."""
+on the requests around it, its place in a step, the load, or the prefix cache."""
 
 import re
 
@@ -54,19 +54,22 @@ def test_the_configuration_fixes_every_shape():
                              max_seq_len=512).buckets.prompt_lengths == (256,)
 
 
-def _projection_shapes(engine, batch: int) -> set[str]:
-  """The operand types of the decode step's two-dimensional products (projections, unembed)."""
-  text = engine.executables.lower(("decode", batch, False)).as_text()
+def _projection_shapes(engine, tokens: int) -> set[str]:
+  """The operand types of a step's two-dimensional products (projections, unembed)."""
+  text = engine.executables.lower(("step", tokens)).as_text()
   matrix = r"(tensor<\d+x\d+x(?:f|bf)\d+>)"
   return set(re.findall(rf"stablehlo\.dot_general[^\n]*: \({matrix}, {matrix}\)", text))
 
 
-def test_every_bucket_runs_the_same_products(engine):
-  shapes = [_projection_shapes(engine, batch) for batch in (1, 4, 16)]
-  assert shapes[0] and shapes[0] == shapes[1] == shapes[2]
+def test_every_step_runs_the_same_products(engine):
+  # One token bucket: a chunk of the prompt bucket beside a decode row per running request.
+  assert engine.config.token_buckets == (16 + 16,)
+  assert [key for key in engine.executable_keys() if key[0] == "step"] == [("step", 32)]
+  assert _projection_shapes(engine, 32)
   default = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1, 4, 16),
                                    prompt_buckets=(16,))
-  assert _projection_shapes(default, 1) != _projection_shapes(default, 16)
+  assert len(default.config.token_buckets) > 1
+  assert _projection_shapes(default, 8) != _projection_shapes(default, 16)
 
 
 @pytest.mark.parametrize("others", [3, 15])

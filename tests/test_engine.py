@@ -117,27 +117,40 @@ def test_compile_counter_counts(engine):
 
 
 def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
-  """The tokens a step and a decode step hand to the host are written to pinned host memory by
-  the executables themselves (no transfer of their own on the read-back path:
-  results/ttft_host_path_h200.md); logits and the donated state stay on the device."""
+  """The tokens a step hands to the host are written to pinned host memory by the executable
+  itself (no transfer of their own on the read-back path: results/ttft_host_path_h200.md);
+  the carry, the logits and the donated cache stay on the device, and the next step feeds the
+  carry's token back."""
   config, table = engine.config, engine.executables
-  rows, size = config.step_rows, config.token_buckets[0]
-  weights, ones = table.steps.split.weights, np.ones((1,), np.int32)
-  # One request of `size` tokens in the step's first row, the others empty.
+  size = config.token_buckets[0]
+  rows = config.rows(size)
+  weights = table.steps.split.weights
+  # One request of `size` tokens in the step's first row, the others empty; then its decode row.
   counts = np.zeros((rows,), np.int32)
   counts[0] = size
   starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+  no_feed = np.full((size,), -1, np.int32)
+  step = table.get(("step", size))
+  carry = np.zeros((config.step_rows,), np.int32)
   with engine._scheduler.exclusive():
-    new, logits, cache = table.get(("step", size))(
-        weights, engine.kv_cache.get(), np.ones((size,), np.int32), identity_tables(engine, rows),
-        starts, counts, counts)
-    tokens, _, cache, emitted = table.get(("decode", 1, True))(
-        weights, cache, np.asarray(new)[:1], ones * size, identity_tables(engine, 1), None)
+    carry, new, logits, cache = step(weights, engine.kv_cache.get(), carry,
+                                     np.ones((size,), np.int32), no_feed,
+                                     identity_tables(engine, rows), starts, counts, counts)
+    one = (np.arange(rows) == 0).astype(np.int32)
+    feed = no_feed.copy()
+    feed[0] = 0
+    carry, emitted, _, cache = step(weights, cache, carry, np.zeros((size,), np.int32), feed,
+                                    identity_tables(engine, rows),
+                                    np.concatenate([[0], np.cumsum(one)]).astype(np.int32), one,
+                                    one * (size + 1))
     engine.kv_cache.set(cache)
   assert new.sharding.memory_kind == emitted.sharding.memory_kind == "pinned_host"
-  assert logits.sharding.memory_kind == tokens.sharding.memory_kind == "device"
+  assert logits.sharding.memory_kind == carry.sharding.memory_kind == "device"
   assert cache.k.sharding.memory_kind == "device"
-  assert np.asarray(emitted).tolist() == np.asarray(tokens).tolist()
+  assert np.asarray(emitted).tolist() == np.asarray(carry).tolist()
+  # The same tokens as the host feeding the first step's token itself.
+  expected = engine.generate([[1] * size], max_new_tokens=2, eos_token_id=[])[0]
+  assert [int(np.asarray(new)[0]), int(np.asarray(emitted)[0])] == expected
 
 
 def test_mixed_length_batch_equals_each_prompt_alone(engine):
@@ -433,7 +446,8 @@ def test_stored_executables_load_and_a_bad_file_is_compiled_again(engine, tmp_pa
   first, second = table(), table()
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(1, engine.model_config.vocab_size)).astype(np.float32)
-  token = np.array([3], np.int32)
+  token = np.zeros((engine.config.step_rows,), np.int32)  # a step's carry: row 0 is scored
+  token[0] = 3
   key = ("token_logprobs", 1)
   scored = first.get(key)(logits, token)
   assert first.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 1
@@ -458,7 +472,9 @@ def test_prefill_gemm_default_follows_the_model_width():
 
 
 def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
-  engine = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,), prompt_buckets=(16,),
+  """Steps of more tokens than rows carry prompt chunks: the prefill GEMM options; steps of at
+  most a token per row are decode steps: the engine's own."""
+  engine = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1, 8), prompt_buckets=(16,),
                   prefill_gemm="cublas", compilation_cache=False)
   seen = {}
   lower = engine.executables.lower
@@ -468,17 +484,18 @@ def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
       self.key, self.lowered = key, lower(key)
 
     def compile(self, compiler_options):
-      seen[self.key[0]] = compiler_options
+      seen[self.key] = compiler_options
       return self.lowered.compile(compiler_options=compiler_options)
 
   monkeypatch.setattr(engine.executables, "lower", Recording)
-  tokens = engine.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[])
-  assert seen["step"]["xla_gpu_enable_triton_gemm"] is False
-  assert "xla_gpu_enable_triton_gemm" not in seen["decode"]
-  assert seen["decode"] == engine.config.xla_options
-  reference = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,),
+  prompt = list(range(3, 15))  # 12 tokens: the 16-token step, then decode steps of 8
+  tokens = engine.generate([prompt], max_new_tokens=3, eos_token_id=[])
+  assert seen[("step", 16)]["xla_gpu_enable_triton_gemm"] is False
+  assert "xla_gpu_enable_triton_gemm" not in seen[("step", 8)]
+  assert seen[("step", 8)] == engine.config.xla_options
+  reference = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1, 8),
                      prompt_buckets=(16,), prefill_gemm="xla", compilation_cache=False)
-  assert reference.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[]) == tokens
+  assert reference.generate([prompt], max_new_tokens=3, eos_token_id=[]) == tokens
 
 
 def test_static_prefill_gives_generates_first_tokens(engine):

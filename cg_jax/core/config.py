@@ -47,8 +47,9 @@ INVARIANT_CHUNK = 256
 # and elsewhere (a CPU takes longer per token: smaller steps hold the decode rows for less).
 DEFAULT_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
 MAX_STEP_TOKENS = 1 << 16
-# The smallest token bucket of an engine step.
-MIN_STEP_TOKENS = 16
+# The smallest token bucket of an engine step (a decode step of up to that many rows; decode
+# steps run their products on at least min_matmul_rows rows anyway).
+MIN_STEP_TOKENS = 8
 # The KV-cache length when max_seq_len is not given: min(model context, DEFAULT_MAX_SEQ_LEN).
 DEFAULT_MAX_SEQ_LEN = 2048
 # Kept free beside the weights and the cache for the executables' activations and workspace: at
@@ -153,19 +154,20 @@ class EngineConfig:
     activation reserve leave of it (`blocks_for_memory`). Off by default: a cache that fills
     the H200 made a 512-token prompt's first token 7% later than one sized for the rows
     (benchmarks/results/paged_engine_v2_h200.md).
-  max_num_batched_tokens: the token budget of one engine step: prompt chunks of many requests
-    run together in one executable over a flat batch of up to this many tokens (each
-    request's chunk at its own cache offset); the step executables exist per token bucket
-    (`token_buckets`). Batch-invariant engines: the one prompt bucket.
+  max_num_batched_tokens: the token budget of one engine step: the running requests' decode
+    tokens and prompt chunks of many requests run together in one executable over a flat
+    batch of up to this many tokens (each request's tokens at its own cache offset); the step
+    executables exist per token bucket (`token_buckets`). Batch-invariant engines: the prompt
+    tokens of a step, the one prompt bucket.
   prefix_block: tokens per KV-cache block C, the paged cache's page and the prefix cache's unit
     (a prefix is shared in whole blocks); with the Pallas kernel a power of two >= 16.
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
     sorted (name, value) pairs.
-  batch_invariant: a request's logits do not depend on the other requests, the slot or the
-    load: every decode step runs its products, token choice and scores on `buckets.max_batch`
-    rows, the paged kernel's split count depends on the block table's width only, and prompts
-    are prefilled one per call in chunks of the one prompt bucket, at multiples of it
-    (prefix-cache hits are used in whole chunks).
+  batch_invariant: a request's logits do not depend on the other requests, their places or the
+    load: every step runs the one token bucket (its products, token choice and scores on the
+    same shapes), the paged kernel's split count depends on the block table's width only, and
+    a step takes one prompt's chunk of the one prompt bucket, at multiples of it (prefix-cache
+    hits are used in whole chunks), beside the decode rows.
   """
 
   max_seq_len: int
@@ -344,14 +346,22 @@ class EngineConfig:
   @property
   def token_buckets(self) -> tuple[int, ...]:
     """The token counts of the step executables: powers of two from MIN_STEP_TOKENS up to
-    `max_num_batched_tokens` (which ends them)."""
+    `max_num_batched_tokens` (which ends them); batch-invariant engines: one, a prompt chunk
+    beside a decode row per running request (every step the same shapes)."""
     budget = self.max_num_batched_tokens
+    if self.batch_invariant:
+      return (budget + self.step_rows,)
     return powers_of_two(min(MIN_STEP_TOKENS, budget), budget)
 
   @property
   def step_rows(self) -> int:
-    """R: the requests one step takes at most (the rows of its block tables and logits)."""
+    """C: the requests running at once (the largest batch bucket): the rows of the largest
+    step and of the tokens a step hands the next (its carry)."""
     return self.buckets.max_batch
+
+  def rows(self, tokens: int) -> int:
+    """R: the rows of a step of `tokens` tokens (its block tables and logits)."""
+    return min(tokens, self.step_rows)
 
   @property
   def table_width(self) -> int:

@@ -2,26 +2,25 @@
 
 Keys (plain tuples, as `keys()` lists them):
   ("cache",)                      allocate the zeroed paged KV cache
-  ("step", tokens)                one engine step: up to `step_rows` requests' prompt chunks in
-                                  a flat batch of `tokens` (a token bucket), each at its cache
-                                  offset
-  ("decode", batch, greedy)       one decode step over `batch` rows, each over its block table
-  ("logprobs", batch)             a decode step that also scores its tokens (log-probabilities)
-  ("token_logprobs", rows)        the scores of the tokens a step chose (rows: `step_rows`)
+  ("step", tokens)                one engine step: decode rows and prompt chunks of up to
+                                  `rows(tokens)` requests in a flat batch of `tokens` (a token
+                                  bucket), each at its cache offset over its block table
+  ("draw", rows)                  the tokens of a step of `rows` rows with a sampling row, drawn
+                                  from its logits
+  ("token_logprobs", rows)        the scores of the tokens a step of `rows` rows chose
   ("score", length)               the log-probability of each token of a prompt (`echo`)
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
-  ("first", batch, greedy)        the first token from prompt logits: with greedy False, the
-                                  draw of a step with a sampling row (batch: `step_rows`);
-                                  with True, the static path's
+  ("first", batch, greedy)        the static path's first token from its prompt logits (greedy
+                                  True: without sampling arrays)
 
-`greedy` True is the executable without sampling arrays. Every executable that reads or writes
-the cache takes the block tables of its rows (int32 [batch, W]; `cg_jax.core.steps`): no
-executable copies cache blocks. The scheduler (`cg_jax.core.scheduler`) uses the serving phases
-(`SERVING_PHASES`: step, decode) and, for requests with log-probabilities, "logprobs"
-(logprobs, token_logprobs, score: compiled on first use unless warmed up); the static
-"prefill" and the greedy "first" serve benchmarks and profiles.
-The prefill executables (`PREFILL_KINDS`) compile with `EngineConfig.prefill_xla_options` (their
-GEMM backend), the others with `EngineConfig.xla_options`.
+Every executable that reads or writes the cache takes the block tables of its rows (int32
+[rows, W]; `cg_jax.core.steps`): no executable copies cache blocks. The scheduler
+(`cg_jax.core.scheduler`) uses the serving phase (`SERVING_PHASES`: step and draw) and, for
+requests with log-probabilities, "logprobs" (token_logprobs, score: compiled on first use unless
+warmed up); the static "prefill" and "first" serve benchmarks.
+The prefill executables (`prefills`: steps of more tokens than rows, "score", "prefill")
+compile with `EngineConfig.prefill_xla_options` (their GEMM backend), the others (decode-sized
+steps among them) with `EngineConfig.xla_options`.
 Every executable takes its inputs on the device (or the tensor-parallel mesh). The outputs the
 host reads (new tokens, scores) are written to pinned host memory by the executable itself: a
 device output would cost a transfer of its own after it is ready, on the time to first token
@@ -63,9 +62,8 @@ from cg_jax.core.steps import StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("step", "decode", "logprobs", "prefill", "first")
-SERVING_PHASES = ("step", "decode")
-PREFILL_KINDS = ("step", "score", "prefill")
+PHASES = ("step", "logprobs", "prefill", "first")
+SERVING_PHASES = ("step",)
 
 
 class ExecutableTable:
@@ -106,28 +104,32 @@ class ExecutableTable:
       if odd:
         raise ValueError(f"{name} {odd} are not buckets of this engine; allowed {allowed}")
     keys: list[tuple] = [("cache",)]
-    rows = self.config.step_rows
+    steps = self.config.token_buckets
+    rows = sorted({self.config.rows(tokens) for tokens in steps})
     if "step" in phases:
       # Steps pick greedily; a step with a sampling row draws from its logits.
-      keys += [("step", tokens) for tokens in self.config.token_buckets]
-      keys += [("first", rows, False)]
+      keys += [("step", tokens) for tokens in steps] + [("draw", r) for r in rows]
     if "logprobs" in phases:
-      keys += [("logprobs", batch) for batch in batch_sizes]
-      keys += [("token_logprobs", rows)]
+      keys += [("token_logprobs", r) for r in rows]
       keys += [("score", length) for length in self.score_lengths()
                if length in prompt_lengths or length > b.max_prompt_len]
     for batch in batch_sizes:
       if "prefill" in phases:
         keys += [("prefill", batch, length) for length in prompt_lengths]
-      for phase in ("first", "decode"):
-        if phase in phases:
-          keys += [(phase, batch, True), (phase, batch, False)]
+      if "first" in phases:
+        keys += [("first", batch, True), ("first", batch, False)]
     return list(dict.fromkeys(keys))
 
   def score_lengths(self) -> tuple[int, ...]:
     """The lengths of the "score" executables: the prompt buckets and the whole context
     (max_seq_len), so that a prompt that fills the context can be scored (`echo`)."""
     return (*self.config.buckets.prompt_lengths, self.config.max_seq_len)
+
+  def prefills(self, key: tuple) -> bool:
+    """Whether a key's executable runs prompts (more tokens than rows: its GEMMs are the
+    prefill GEMM backend's)."""
+    return key[0] in ("score", "prefill") or (
+        key[0] == "step" and key[1] > self.config.rows(key[1]))
 
   def cache_spec(self) -> KVCache:
     """The paged cache: [L, N + 1, C, K, H] per key and value (N blocks and the scratch one)."""
@@ -149,20 +151,22 @@ class ExecutableTable:
           "cache"
     width = self.config.table_width
     if phase == "step":
-      rows = self.config.step_rows
-      return (steps.step, (weights, cache, i32(key[1]), i32(rows, width), i32(rows + 1),
-                           i32(rows), i32(rows)), (1,), state + (rep,) * 5, ("host", rep, "cache"))
+      tokens, carry = key[1], self.config.step_rows
+      rows = self.config.rows(tokens)
+      return (steps.step, (weights, cache, i32(carry), i32(tokens), i32(tokens), i32(rows, width),
+                           i32(rows + 1), i32(rows), i32(rows)), (1,), state + (rep,) * 7,
+              (rep, "host", rep, "cache"))
+    if phase == "draw":
+      rows = key[1]
+      logits = jax.ShapeDtypeStruct((rows, self.model.vocab_size), jnp.float32)
+      return (steps.draw, (logits, i32(rows), SamplingArrays.spec(rows)), (), (rep,) * 3,
+              (rep, "host"))
     if phase == "score":
       return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
-    if phase == "logprobs":
-      batch = key[1]
-      return (steps.decode_scored, (weights, cache, i32(batch), i32(batch), i32(batch, width),
-                                    SamplingArrays.spec(batch)), (1, 2, 3),
-              state + (rep,) * 4, (rep, rep, "cache", "host", "host"))
     if phase == "token_logprobs":
-      batch = key[1]
-      logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
-      return steps.token_logprobs, (logits, i32(batch)), (), (rep, rep), "host"
+      rows = key[1]
+      logits = jax.ShapeDtypeStruct((rows, self.model.vocab_size), jnp.float32)
+      return steps.token_logprobs, (logits, i32(self.config.step_rows)), (), (rep, rep), "host"
     _, batch, extra = key
     if phase == "prefill":
       return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch), i32(batch, width)),
@@ -171,9 +175,6 @@ class ExecutableTable:
     if phase == "first":
       logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
       return (steps.first_token, (logits, i32(batch), sampling), (), (rep, rep, rep), "host")
-    if phase == "decode":
-      return (steps.decode, (weights, cache, i32(batch), i32(batch), i32(batch, width), sampling),
-              (1, 2, 3), state + (rep,) * 4, (rep, rep, "cache", "host"))
     raise KeyError(key)
 
   def lower(self, key: tuple):
@@ -226,7 +227,7 @@ class ExecutableTable:
 
   def _compile(self, key: tuple):
     start = time.perf_counter()
-    options = (self.config.prefill_xla_options if key[0] in PREFILL_KINDS
+    options = (self.config.prefill_xla_options if self.prefills(key)
                else self.config.xla_options)
     hits = compile_stats.thread_cache_hit_count()
     exe = self.lower(key).compile(compiler_options=options)
