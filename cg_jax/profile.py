@@ -257,7 +257,7 @@ def _run_steps(engine, step, state: DecodeState, steps: int, read_back: bool):
   start = time.perf_counter()
   for _ in range(steps):
     call = time.perf_counter()
-    carry, emitted, _, cache = step(weights, cache, carry, *state.inputs)
+    carry, emitted, _, cache, _ = step(weights, cache, carry, *state.inputs)
     dispatch.append(time.perf_counter() - call)
     if read_back:
       np.asarray(emitted)

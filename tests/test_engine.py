@@ -133,19 +133,19 @@ def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
   step = table.get(("step", size))
   carry = np.zeros((config.step_rows,), np.int32)
   with engine._scheduler.exclusive():
-    carry, new, logits, cache = step(weights, engine.kv_cache.get(), carry,
-                                     np.ones((size,), np.int32), no_feed,
-                                     identity_tables(engine, rows), starts, counts, counts)
+    carry, new, logits, cache, _ = step(weights, engine.kv_cache.get(), carry,
+                                        np.ones((size,), np.int32), no_feed,
+                                        identity_tables(engine, rows), starts, counts, counts)
     one = (np.arange(rows) == 0).astype(np.int32)
     feed = no_feed.copy()
     feed[0] = 0
-    carry, emitted, _, cache = step(weights, cache, carry, np.zeros((size,), np.int32), feed,
-                                    identity_tables(engine, rows),
-                                    np.concatenate([[0], np.cumsum(one)]).astype(np.int32), one,
-                                    one * (size + 1))
+    carry, emitted, _, cache, lens = step(
+        weights, cache, carry, np.zeros((size,), np.int32), feed, identity_tables(engine, rows),
+        np.concatenate([[0], np.cumsum(one)]).astype(np.int32), one, one * (size + 1))
     engine.kv_cache.set(cache)
   assert new.sharding.memory_kind == emitted.sharding.memory_kind == "pinned_host"
   assert logits.sharding.memory_kind == carry.sharding.memory_kind == "device"
+  assert np.asarray(lens).tolist() == (one * (size + 2)).tolist()  # the next decode step's
   assert cache.k.sharding.memory_kind == "device"
   assert np.asarray(emitted).tolist() == np.asarray(carry).tolist()
   # The same tokens as the host feeding the first step's token itself.

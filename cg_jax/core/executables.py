@@ -155,7 +155,7 @@ class ExecutableTable:
       rows = self.config.rows(tokens)
       return (steps.step, (weights, cache, i32(carry), i32(tokens), i32(tokens), i32(rows, width),
                            i32(rows + 1), i32(rows), i32(rows)), (1,), state + (rep,) * 7,
-              (rep, "host", rep, "cache"))
+              (rep, "host", rep, "cache", rep))
     if phase == "draw":
       rows = key[1]
       logits = jax.ShapeDtypeStruct((rows, self.model.vocab_size), jnp.float32)

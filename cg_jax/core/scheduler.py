@@ -102,6 +102,10 @@ class Scheduler:
     # the number of steps launched.
     self._carry = None
     self._steps = 0
+    # A decode step's inputs on the device, reused while the same requests decode in the same
+    # rows: (the step's requests, (tokens, feed, tables, query_starts, query_lens), sampling
+    # arrays or None, seq_lens of the next step).
+    self._decoding: tuple | None = None
     self._thread: threading.Thread | None = None
     self._closed = False
     self._resume = True  # False while a swapped-out cache should stay out
@@ -226,7 +230,7 @@ class Scheduler:
   def _fail_all(self, error: BaseException) -> None:
     with self._wakeup:
       lives = list(self._running) + list(self._waiting)
-      self._running, self._carry = [], None
+      self._running, self._carry, self._decoding = [], None, None
       self._waiting.clear()
     for live in lives:
       self._release(live)
@@ -313,8 +317,59 @@ class Scheduler:
     """One engine step (see `StepPlan`): its emitting rows' tokens are read back later
     (`_read_one`); the requests whose prompt it completes decode from the next step on."""
     group = [self._running[i] for i in plan.requests]
-    if any(live.carry[0] != self._steps for live in group[:plan.decodes]):
+    fed = all(live.carry[0] == self._steps for live in group[:plan.decodes])
+    if not fed:
       self._drain()  # a decode row not in the last step: its token comes from the host
+    emitting = set(plan.emitting)
+    rows = [live if b in emitting else None for b, live in enumerate(group)]
+    carry = self._carry
+    if carry is None:
+      carry = np.zeros((self.config.step_rows,), np.int32)
+    # A step of decode rows only, each fed from the carry: its inputs serve the steps after it
+    # while the same requests decode in the same rows (their block tables never change).
+    reusable = plan.decodes == len(group) and fed
+    last = self._decoding
+    if reusable and last is not None and last[0] == plan.key and _same(last[1], group):
+      # The same rows decode again: the last step's inputs, its lengths one longer.
+      _, _, inputs, sampling, seq_lens = last
+    else:
+      *inputs, seq_lens = self._inputs(plan, group)
+      sampling = self._sampling(rows, plan.rows) if plan.sample else None
+    carry, emitted, logits, cache, next_lens = self.table.get(plan.key)(
+        self.weights, self.cache.get(), carry, *inputs, seq_lens)
+    self.cache.set(cache)
+    if reusable and (last is None or last[2] is not inputs):
+      # Staged once for the steps after it (host arrays cost a transfer per call), each row fed
+      # from its own row of the carry this step leaves (one token per row: token b is row b's).
+      tokens, feed, *rest = inputs
+      feed = np.where(np.arange(len(feed)) < len(group), np.arange(len(feed)), -1)
+      inputs, sampling = host_io.stage(((tokens, feed.astype(np.int32), *rest), sampling),
+                                       self.inputs_at)
+    self._decoding = (plan.key, group, inputs, sampling, next_lens) if reusable else None
+    if plan.sample:
+      # [C]: the emitting rows' tokens drawn at their sequences' lengths.
+      carry, emitted = self.table.get(("draw", plan.rows))(logits, seq_lens, sampling)
+    scores = None
+    if plan.scored:
+      scores = self.table.get(("token_logprobs", plan.rows))(logits, carry)
+    self._carry = carry
+    self._steps += 1
+    self.counters["steps"] += 1
+    self.counters["decode_steps"] += plan.decodes > 0
+    self.counters["chunks"] += plan.decodes < len(group)
+    for b in plan.emitting:
+      live = group[b]
+      live.launched += 1
+      live.carry = (self._steps, b)
+    for b in range(plan.decodes, len(group)):
+      group[b].prefilled += plan.counts[b]
+    for b in plan.done:
+      group[b].decoding = True
+    self._reader.push((emitted, scores), (rows, [group[b] for b in plan.done]))
+
+  def _inputs(self, plan: StepPlan, group: list[_Live]) -> tuple[np.ndarray, ...]:
+    """A step's host arrays: (tokens [A], feed [A], tables [R, W], query_starts [R + 1],
+    query_lens [R], seq_lens [R]); decode rows feed their token from the carry."""
     tokens = np.zeros((plan.tokens,), np.int32)
     feed = np.full((plan.tokens,), -1, np.int32)  # where a token comes from the carry
     counts = np.zeros((plan.rows,), np.int32)  # rows past the group take no token
@@ -332,38 +387,8 @@ class Scheduler:
           tokens[at] = live.token
       else:
         tokens[at:at + counts[b]] = live.prompt[begin:begin + counts[b]]
-        live.prefilled += int(counts[b])
       seq_lens[b] = begin + counts[b]
-    tables = self._tables(group, plan.rows)
-    carry = self._carry
-    if carry is None:
-      carry = np.zeros((self.config.step_rows,), np.int32)
-    # Host arrays go to the executable as they are: its call copies them to the device (one
-    # jax.device_put per tree costs more host time than the whole transfer).
-    carry, emitted, logits, cache = self.table.get(plan.key)(
-        self.weights, self.cache.get(), carry, tokens, feed, tables, starts, counts, seq_lens)
-    self.cache.set(cache)
-    emitting = set(plan.emitting)
-    rows = [live if b in emitting else None for b, live in enumerate(group)]
-    if plan.sample:
-      # [C]: the emitting rows' tokens drawn at their sequences' lengths.
-      carry, emitted = self.table.get(("draw", plan.rows))(logits, seq_lens,
-                                                           self._sampling(rows, plan.rows))
-    scores = None
-    if plan.scored:
-      scores = self.table.get(("token_logprobs", plan.rows))(logits, carry)
-    self._carry = carry
-    self._steps += 1
-    self.counters["steps"] += 1
-    self.counters["decode_steps"] += plan.decodes > 0
-    self.counters["chunks"] += len(group) > plan.decodes
-    for b in plan.emitting:
-      live = group[b]
-      live.launched += 1
-      live.carry = (self._steps, b)
-    for b in plan.done:
-      group[b].decoding = True
-    self._reader.push((emitted, scores), (rows, [group[b] for b in plan.done]))
+    return tokens, feed, self._tables(group, plan.rows), starts, counts, seq_lens
 
   def _deliver(self, new: list[tuple[_Live, int, np.ndarray | None]]) -> None:
     """One step's new tokens (with their scores, or None): emitted to their groups (one event
@@ -430,6 +455,11 @@ class Scheduler:
     for live in completed:
       if live.blocks:  # (not released: a request cancelled meanwhile gave them back)
         self.planner.commit(live)
+
+
+def _same(a: list, b: list) -> bool:
+  """Whether two lists hold the same objects in the same order."""
+  return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class Exclusive:

@@ -2,7 +2,7 @@
 ahead of time per bucket (`cg_jax.core.executables`):
 
   step(weights, cache, carry[C], tokens[A], feed[A], tables[R,W], query_starts[R+1],
-       query_lens[R], seq_lens[R])             -> (carry[C], tokens[C], logits[R,V], cache)
+       query_lens[R], seq_lens[R])   -> (carry[C], tokens[C], logits[R,V], cache, seq_lens[R])
   draw(logits[R,V], positions[R], sampling)    -> (carry[C], tokens[C])
   token_logprobs(logits[R,V], tokens[C])       -> scores[R,E]
   prefill(weights, cache, tokens[B,S], lengths[B], tables[B,W])    -> (logits[B,V], cache)
@@ -108,7 +108,7 @@ class StepFunctions:
     last token, picked by the step before: carry [C] is its output), else tokens[i].
     Returns (each request's greedy token after its last query token, padded to [C]: the next
     step's carry; the same tokens for the host; the logits [R, V] they were picked from; the
-    cache)."""
+    cache; seq_lens after one more token per row that took any)."""
     model = self.split.merge(weights)
     size, rows = tokens.shape[0], query_lens.shape[0]
     # [A]: the fed tokens from the device, the others from the host
@@ -128,7 +128,10 @@ class StepFunctions:
     last = jnp.clip(query_starts[:-1] + query_lens - 1, 0, size - 1)
     logits = self._head(model, hidden[0, last])
     picked = _pad_rows(select_tokens(logits, seq_lens, None), self.carry_rows)
-    return picked, picked, logits, cache
+    # [R]: the lengths after one more token per row that took one (the next decode step's, when
+    # the same rows decode again: the host reuses this step's inputs on the device).
+    next_lens = seq_lens + (query_lens > 0)
+    return picked, picked, logits, cache, next_lens
 
   def score(self, weights, tokens):
     """Row i of the result scores token i + 1 of tokens [1, S] given the tokens before it (the
