@@ -114,7 +114,7 @@ def swap_overlap_rows(model: str, swap_model: str, swap_batch: int, swap_max_seq
                                   max_seq_len=max_seq_len, graphs="full", layer_loop="unroll",
                                   prefix_block=64, kv_blocks=-(-max_seq_len // 64),
                                   compilation_cache=False)
-  runner.warmup(phases=("decode",), progress=False)
+  runner.warmup(phases=("step",), progress=False)
   other = Engine.from_pretrained(swap_model, dtype="bfloat16", batch_buckets=(swap_batch,),
                                  prompt_buckets=(16,), max_seq_len=swap_max_seq_len,
                                  prefix_block=64,

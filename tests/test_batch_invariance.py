@@ -40,7 +40,7 @@ def alone():
 
 def test_the_configuration_fixes_every_shape():
   config = EngineConfig.create(preset("tiny-llama"), **OPTIONS)
-  assert config.forward.min_matmul_rows == 16 and config.forward.batch_invariant
+  assert config.forward.batch_invariant and config.token_buckets == (16 + 16,)
   gpu_like = EngineConfig.create(preset("tiny-llama"), attention="pallas",
                                  **{**OPTIONS, "prefix_block": 16})
   # The paged kernel's splits: fixed by the block table's width, not the number of tiles (the
@@ -100,11 +100,9 @@ def test_a_prefix_cache_hit_gives_the_same_logprobs(engine, alone, shared, used)
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(min_matmul_rows=8), r"min_matmul_rows >= the largest batch bucket \(16\)"),
     (dict(prompt_buckets=(16, 32)), r"chunks of one prompt bucket, got prompt_buckets=\(16, 32\)"),
-    (dict(batch_buckets=(2, 16)), "batch_buckets must include 1"),
     (dict(prompt_buckets=(20,)), r"prefix_block \(8\) to divide the prompt bucket \(20\)"),
-    (dict(batch_buckets=(1, 128), max_seq_len=64), "at most 64"),
+    (dict(max_num_batched_tokens=32), r"max_num_batched_tokens must equal the prompt bucket"),
 ])
 def test_settings_that_would_break_it_are_refused(options, match):
   with pytest.raises(ValueError, match=match):

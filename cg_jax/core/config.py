@@ -82,9 +82,8 @@ class ForwardConfig:
     this many rows (1 = none), so XLA emits GEMMs instead of its single-row multiply-and-reduce
     rewrite (benchmarks/results/projections_h200.md). Results are unchanged.
   prefill_attention: the Pallas flash kernel's own config (Pallas attention only).
-  batch_invariant: decode steps pad with idle rows (position -1) that the attention, the token
-    choice and the scores take too, so that every per-row operation has the same shape in every
-    batch bucket (`EngineConfig.batch_invariant`).
+  batch_invariant: the paged kernel's split count depends on the block table's width only
+    (`EngineConfig.batch_invariant`: every step also has the one token bucket's shapes).
   """
 
   attention: str
@@ -112,18 +111,17 @@ class ForwardConfig:
   def create(cls, *, attention: str | None = None, layer_loop: str | None = None,
              min_matmul_rows: int | None = None,
              prefill_attention: FlashAttentionConfig | None = None,
-             batch_invariant: bool = False, max_batch: int = 1) -> "ForwardConfig":
+             batch_invariant: bool = False) -> "ForwardConfig":
     """The config with the platform's defaults for what is None: Pallas attention and unrolled
     layers on GPU; XLA attention and scanned layers elsewhere; products on at least 8 rows.
-    `batch_invariant` (with the engine's largest batch bucket `max_batch`) pads every decode
-    step to `max_batch` rows (the paged kernel's split count is kept off the batch by
-    `cg_jax.core.attention.paged_for_forward`)."""
+    `batch_invariant`: the paged kernel's split count is kept off the batch
+    (`cg_jax.core.attention.paged_for_forward`)."""
     if attention is None:
       attention = "pallas" if on_gpu() else "xla"
     if layer_loop is None:
       layer_loop = "unroll" if on_gpu() else "scan"
     if min_matmul_rows is None:
-      min_matmul_rows = max(8, max_batch) if batch_invariant is True else 8
+      min_matmul_rows = 8
     return cls(attention=attention, layer_loop=layer_loop, min_matmul_rows=min_matmul_rows,
                prefill_attention=prefill_attention or FlashAttentionConfig(),
                batch_invariant=batch_invariant)
@@ -246,12 +244,6 @@ class EngineConfig:
                        f"({self.batch_invariant})")
     if not self.batch_invariant:
       return
-    if f.min_matmul_rows < self.buckets.max_batch:
-      raise ValueError(f"batch_invariant=True needs min_matmul_rows >= the largest batch bucket "
-                       f"({self.buckets.max_batch}), got min_matmul_rows={f.min_matmul_rows}")
-    if self.buckets.batch_sizes[0] != 1:
-      raise ValueError(f"batch_invariant=True prefills one prompt per call: batch_buckets must "
-                       f"include 1, got {self.buckets.batch_sizes}")
     lengths = self.buckets.prompt_lengths
     if len(lengths) != 1:
       raise ValueError(f"batch_invariant=True prefills in chunks of one prompt bucket, got "
@@ -309,11 +301,7 @@ class EngineConfig:
       # (no more than every row's whole context)
       max_num_batched_tokens = min(DEFAULT_STEP_TOKENS["gpu" if on_gpu() else "cpu"],
                                    buckets.max_batch * max_seq_len)
-    if batch_invariant is True and buckets.max_batch > MAX_MATMUL_ROWS:
-      raise ValueError(f"batch_invariant=True pads decode steps to the largest batch bucket, at "
-                       f"most {MAX_MATMUL_ROWS}; got batch_buckets={buckets.batch_sizes}")
-    forward = ForwardConfig.create(batch_invariant=batch_invariant, max_batch=buckets.max_batch,
-                                   **forward_options)
+    forward = ForwardConfig.create(batch_invariant=batch_invariant, **forward_options)
     if prefix_block is None and _is_int(max_seq_len) and max_seq_len >= 2:
       # Pages of 64 tokens beat 16 in every H200 decode row of the paged kernel.
       pallas = forward.attention == "pallas" and max_seq_len > 64
@@ -389,7 +377,7 @@ class EngineConfig:
 
   @property
   def prefill_xla_options(self) -> dict[str, Any]:
-    """The XLA options of the prefill executables (`executables.PREFILL_KINDS`): `xla_options`
+    """The XLA options of the prefill executables (`ExecutableTable.prefills`): `xla_options`
     with the prefill GEMM choice (the extras still win)."""
     return graph_modes.compiler_options(
         self.graphs, {**PREFILL_GEMMS[self.prefill_gemm], **dict(self.compiler_options)})
