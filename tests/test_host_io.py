@@ -39,8 +39,8 @@ def test_async_readback_equals_synchronous(engine, sample):
 
 def test_request_inputs_skip_the_pinned_host(engine, monkeypatch):
   """Request inputs reach the executables as host arrays (each call copies its own), and what
-  is staged ahead (a decode batch's block tables, a sampling batch's arrays) goes straight to
-  device memory."""
+  is staged ahead (a decode batch's inputs, its sampling arrays) goes straight to device
+  memory."""
   placed = []
   device_put = jax.device_put
 
@@ -55,8 +55,9 @@ def test_request_inputs_skip_the_pinned_host(engine, monkeypatch):
   assert placed and all(set(kinds) == {"device"} for kinds in placed), placed
   placed.clear()
   greedy = engine.generate(_prompts(1, (4, 5, 6)), max_new_tokens=3, eos_token_id=[])
-  # Greedy decode batches stage their block tables only (one array each).
-  assert placed and all(kinds == ("device",) for kinds in placed), placed
+  # Greedy decode batches stage their five input arrays only (tokens, feed, block tables, query
+  # starts and lengths), once per batch.
+  assert placed and all(kinds == ("device",) * 5 for kinds in placed), placed
   assert [len(row) for row in sampled] == [len(row) for row in greedy] == [3] * 3
 
 
