@@ -30,7 +30,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from models.decoder import KVCache
@@ -187,11 +186,15 @@ def find_trace(logdir: str) -> str:
 
 @dataclasses.dataclass
 class DecodeState:
-  """Inputs of repeated decode steps (engine steps of one token per row) at a fixed position,
-  for timing: every step writes and reads the same positions."""
+  """Inputs of repeated decode steps (engine steps of one token per row) for timing. The steps
+  advance one position each, as decoding does (each donates its lengths and returns the next
+  ones, as the engine's steps do), from `position` for at most `room` steps, then start there
+  again."""
 
   carry: Any  # [C] the rows' tokens (the steps feed their outputs back)
-  inputs: tuple  # (tokens, feed, tables, query_starts, query_lens, seq_lens) on the device
+  inputs: tuple  # (tokens, feed, tables, query_starts, query_lens) on the device
+  lens: np.ndarray  # [R] the rows' lengths at the first step
+  room: int  # steps before a row reaches max_seq_len
 
 
 def _inputs(engine, tree):
@@ -241,23 +244,25 @@ def prepare_decode(engine, batch: int, position: int, seed: int = 0) -> tuple[An
   starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
   tables = np.full((rows, c.table_width), c.scratch_block, np.int32)
   tables[:batch] = identity_tables(engine, batch)
-  inputs = (np.zeros((size,), np.int32), feed, tables, starts, counts,
-            np.where(counts > 0, position + 1, 0).astype(np.int32))
-  return step, DecodeState(carry, _inputs(engine, inputs))
+  inputs = (np.zeros((size,), np.int32), feed, tables, starts, counts)
+  lens = np.where(counts > 0, position + 1, 0).astype(np.int32)
+  return step, DecodeState(carry, _inputs(engine, inputs), lens, c.max_seq_len - 1 - position)
 
 
 def _run_steps(engine, step, state: DecodeState, steps: int, read_back: bool):
   """Run `steps` decode steps, each fed the tokens of the one before on the device; returns
   (wall seconds, per-call host dispatch seconds)."""
-  carry = _inputs(engine, jnp.array(state.carry))
+  carry = _inputs(engine, state.carry)
   weights, holder = engine.executables.steps.split.weights, engine.kv_cache
   cache = holder.get()
   dispatch = []
   jax.block_until_ready(cache)
   start = time.perf_counter()
-  for _ in range(steps):
+  for i in range(steps):
+    if i % state.room == 0:
+      lens = _inputs(engine, state.lens)
     call = time.perf_counter()
-    carry, emitted, _, cache, _ = step(weights, cache, carry, *state.inputs)
+    carry, emitted, _, cache, lens = step(weights, cache, carry, *state.inputs, lens)
     dispatch.append(time.perf_counter() - call)
     if read_back:
       np.asarray(emitted)

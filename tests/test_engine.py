@@ -2,7 +2,9 @@
 
 import dataclasses
 import math
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -151,6 +153,33 @@ def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
   # The same tokens as the host feeding the first step's token itself.
   expected = engine.generate([[1] * size], max_new_tokens=2, eos_token_id=[])[0]
   assert [int(np.asarray(new)[0]), int(np.asarray(emitted)[0])] == expected
+
+
+def _aliased_inputs(engine, key) -> dict[int, int]:
+  """{flat input index: flat output index} of the buffers a key's executable donates and reuses
+  for an output (from its lowered module)."""
+  text = engine.executables.lower(key).as_text()
+  head = next(line for line in text.splitlines() if "func.func public @main" in line)
+  inputs = head.split(") -> (")[0].split("%arg")[1:]
+  return {int(arg.split(":")[0]): int(found.group(1)) for arg in inputs
+          if (found := re.search(r"tf.aliasing_output = (\d+)", arg))}
+
+
+def test_step_state_keeps_its_device_buffers(engine):
+  """The state a step hands to the next (cache, carry, lengths) is donated and aliased to the
+  outputs that carry it on, so the addresses a step's command buffer records do not move from
+  one decode step to the next (moved ones make XLA update the recorded commands first)."""
+  table = engine.executables
+  weights = len(jax.tree.leaves(table.signature(("step", 8))[1][0]))
+  for size in engine.config.token_buckets:
+    # inputs: weights, cache k and v, carry, tokens, feed, tables, starts, query_lens, seq_lens;
+    # outputs: carry, tokens (host), logits, cache k and v, next seq_lens
+    assert _aliased_inputs(engine, ("step", size)) == {
+        weights: 3, weights + 1: 4, weights + 2: 0, weights + 8: 5}, size
+  rows = engine.config.rows(engine.config.token_buckets[0])
+  sampling = len(jax.tree.leaves(SamplingArrays.spec(rows)))
+  # draw(logits, lens, sampling, carry) -> (carry, tokens): the carry in place
+  assert _aliased_inputs(engine, ("draw", rows)) == {2 + sampling: 0}
 
 
 def test_mixed_length_batch_equals_each_prompt_alone(engine):

@@ -24,8 +24,8 @@ steps among them) with `EngineConfig.xla_options`.
 Every executable takes its inputs on the device (or the tensor-parallel mesh). The outputs the
 host reads (new tokens, scores) are written to pinned host memory by the executable itself: a
 device output would cost a transfer of its own after it is ready, on the time to first token
-(benchmarks/results/ttft_host_path_h200.md). The decode state (cache, tokens, positions) is
-donated, so each output reuses its input's buffer from step to step.
+(benchmarks/results/ttft_host_path_h200.md). The step's state (cache, carry, sequence lengths)
+is donated, so each output reuses its input's buffer from step to step.
 
 With a store directory (the engine's compilation cache directory), each compiled executable is
 also kept there serialized, named by a digest of the key, the model and engine configs, the
@@ -154,13 +154,13 @@ class ExecutableTable:
       tokens, carry = key[1], self.config.step_rows
       rows = self.config.rows(tokens)
       return (steps.step, (weights, cache, i32(carry), i32(tokens), i32(tokens), i32(rows, width),
-                           i32(rows + 1), i32(rows), i32(rows)), (1,), state + (rep,) * 7,
+                           i32(rows + 1), i32(rows), i32(rows)), (1, 2, 8), state + (rep,) * 7,
               (rep, "host", rep, "cache", rep))
     if phase == "draw":
       rows = key[1]
       logits = jax.ShapeDtypeStruct((rows, self.model.vocab_size), jnp.float32)
-      return (steps.draw, (logits, i32(rows), SamplingArrays.spec(rows)), (), (rep,) * 3,
-              (rep, "host"))
+      return (steps.draw, (logits, i32(rows), SamplingArrays.spec(rows),
+                           i32(self.config.step_rows)), (3,), (rep,) * 4, (rep, "host"))
     if phase == "score":
       return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
     if phase == "token_logprobs":
@@ -191,7 +191,8 @@ class ExecutableTable:
                    "host": self.parallel.replicated(host_io.PINNED_HOST)}
     outs = (tuple(placement[n] for n in outputs) if isinstance(outputs, tuple)
             else placement[outputs])
-    return jax.jit(fn, donate_argnums=donate, in_shardings=tuple(placement[n] for n in inputs),
+    # keep_unused: a donated input the function only overwrites (draw's carry) keeps its buffer.
+    return jax.jit(fn, donate_argnums=donate, keep_unused=True, in_shardings=tuple(placement[n] for n in inputs),
                    out_shardings=outs).lower(*args)
 
   def get(self, key: tuple):

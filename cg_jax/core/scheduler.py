@@ -348,7 +348,7 @@ class Scheduler:
     self._decoding = (plan.key, group, inputs, sampling, next_lens) if reusable else None
     if plan.sample:
       # [C]: the emitting rows' tokens drawn at their sequences' lengths.
-      carry, emitted = self.table.get(("draw", plan.rows))(logits, seq_lens, sampling)
+      carry, emitted = self.table.get(("draw", plan.rows))(logits, next_lens, sampling, carry)
     scores = None
     if plan.scored:
       scores = self.table.get(("token_logprobs", plan.rows))(logits, carry)

@@ -3,7 +3,7 @@ ahead of time per bucket (`cg_jax.core.executables`):
 
   step(weights, cache, carry[C], tokens[A], feed[A], tables[R,W], query_starts[R+1],
        query_lens[R], seq_lens[R])   -> (carry[C], tokens[C], logits[R,V], cache, seq_lens[R])
-  draw(logits[R,V], positions[R], sampling)    -> (carry[C], tokens[C])
+  draw(logits[R,V], seq_lens[R], sampling, carry[C]) -> (carry[C], tokens[C])
   token_logprobs(logits[R,V], tokens[C])       -> scores[R,E]
   prefill(weights, cache, tokens[B,S], lengths[B], tables[B,W])    -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
@@ -23,7 +23,11 @@ last query token is picked greedily into the carry; a step with a sampling row d
 its logits with `draw` instead (the sampling path sorts the vocabulary, a cost that greedy steps
 never pay), and `token_logprobs` scores them for the requests that ask (E = 1 + 2 x top
 log-probabilities, `cg_jax.core.sampling.token_scores`). The host reads each step's tokens from
-the second output (written to pinned host memory).
+the second output (written to pinned host memory). The carry and seq_lens are donated (`draw`
+overwrites the carry in place): the state a step hands to the next keeps its device buffers,
+as the cache does, so the buffer addresses recorded in a step's command buffer (CUDA graph) do
+not change between decode steps (XLA updates the commands whose buffers moved before it
+launches the graph).
 
 `prefill` and `first_token` are the static path's (whole prompts of a (batch, length) bucket:
 benchmarks' baseline); `score` the log-probabilities of a prompt's own tokens (`echo`).
@@ -87,10 +91,13 @@ class StepFunctions:
   def first_token(logits, positions, sampling: SamplingArrays | None):
     return select_tokens(logits, positions, sampling)
 
-  def draw(self, logits, positions, sampling: SamplingArrays):
-    """The tokens of a step with a sampling row: drawn from its logits [R, V] at positions [R]
-    (greedy rows pick the greedy token), padded to the carry's rows like `step`'s."""
-    tokens = _pad_rows(select_tokens(logits, positions, sampling), self.carry_rows)
+  def draw(self, logits, lens, sampling: SamplingArrays, carry):
+    """The tokens of a step with a sampling row: drawn from its logits [R, V], row r's at
+    position lens[r] - 1 (lens [R]: the step's next lengths; greedy rows pick the greedy
+    token), padded to the carry's rows like `step`'s. The step's carry [C] is donated and
+    overwritten: the next step reads the same buffer (a command buffer's addresses stay)."""
+    del carry  # (its buffer holds the result)
+    tokens = _pad_rows(select_tokens(logits, lens - 1, sampling), self.carry_rows)
     return tokens, tokens
 
   @staticmethod
