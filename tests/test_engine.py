@@ -61,6 +61,16 @@ def test_bucket_raises_when_nothing_fits():
     Buckets((4, 2), (16,))
 
 
+def test_token_buckets_start_where_padding_tokens_stop_being_free():
+  """The Pallas kernel's steps start at 8 tokens (a step's products run on 8 rows anyway); XLA's
+  attention attends for every token of a bucket, padding too: its steps start at one."""
+  model = preset("tiny-llama")
+  xla, pallas = (EngineConfig.create(model, max_seq_len=64, attention=attention,
+                                     max_num_batched_tokens=32) for attention in ("xla", "pallas"))
+  assert xla.token_buckets == (1, 2, 4, 8, 16, 32)
+  assert pallas.token_buckets == (8, 16, 32)
+
+
 def test_large_batch_is_split_into_runs(engine):
   prompts = _prompts(0, [3, 9, 5, 12, 7, 2, 30])  # 7 rows > largest bucket (4)
   together = engine.generate(prompts, max_new_tokens=5, eos_token_id=[])
@@ -517,11 +527,12 @@ def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
       return self.lowered.compile(compiler_options=compiler_options)
 
   monkeypatch.setattr(engine.executables, "lower", Recording)
-  prompt = list(range(3, 15))  # 12 tokens: the 16-token step, then decode steps of 8
+  prompt = list(range(3, 15))  # 12 tokens: the 16-token step, then decode steps of one token
   tokens = engine.generate([prompt], max_new_tokens=3, eos_token_id=[])
+  decode = ("step", engine.config.token_buckets[0])
   assert seen[("step", 16)]["xla_gpu_enable_triton_gemm"] is False
-  assert "xla_gpu_enable_triton_gemm" not in seen[("step", 8)]
-  assert seen[("step", 8)] == engine.config.xla_options
+  assert "xla_gpu_enable_triton_gemm" not in seen[decode]
+  assert seen[decode] == engine.config.xla_options
   reference = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1, 8),
                      prompt_buckets=(16,), prefill_gemm="xla", compilation_cache=False)
   assert reference.generate([prompt], max_new_tokens=3, eos_token_id=[]) == tokens

@@ -47,9 +47,12 @@ INVARIANT_CHUNK = 256
 # and elsewhere (a CPU takes longer per token: smaller steps hold the decode rows for less).
 DEFAULT_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
 MAX_STEP_TOKENS = 1 << 16
-# The smallest token bucket of an engine step (a decode step of up to that many rows; decode
-# steps run their products on at least min_matmul_rows rows anyway).
-MIN_STEP_TOKENS = 8
+# The smallest token bucket of an engine step (a decode step of up to that many rows), by
+# attention backend: the Pallas kernel's, 8 (decode steps run their products on at least
+# min_matmul_rows rows anyway); XLA's (the CPU default), 1: it attends for every token of the
+# bucket, padding too (the bundled model's B=1 generate on the CPU: 1.6x the time per token at
+# 8; benchmarks/results/cpu_step_tokens.md).
+MIN_STEP_TOKENS = {"pallas": 8, "xla": 1}
 # The KV-cache length when max_seq_len is not given: min(model context, DEFAULT_MAX_SEQ_LEN).
 DEFAULT_MAX_SEQ_LEN = 2048
 # Kept free beside the weights and the cache for the executables' activations and workspace: at
@@ -333,13 +336,14 @@ class EngineConfig:
 
   @property
   def token_buckets(self) -> tuple[int, ...]:
-    """The token counts of the step executables: powers of two from MIN_STEP_TOKENS up to
-    `max_num_batched_tokens` (which ends them); batch-invariant engines: one, a prompt chunk
-    beside a decode row per running request (every step the same shapes)."""
+    """The token counts of the step executables: powers of two from MIN_STEP_TOKENS (the
+    attention backend's) up to `max_num_batched_tokens` (which ends them); batch-invariant
+    engines: one, a prompt chunk beside a decode row per running request (every step the same
+    shapes)."""
     budget = self.max_num_batched_tokens
     if self.batch_invariant:
       return (budget + self.step_rows,)
-    return powers_of_two(min(MIN_STEP_TOKENS, budget), budget)
+    return powers_of_two(min(MIN_STEP_TOKENS[self.forward.attention], budget), budget)
 
   @property
   def step_rows(self) -> int:
