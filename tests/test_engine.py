@@ -1,5 +1,6 @@
 """Engine: buckets, ahead-of-time warmup, sampling, streaming, validation."""
 
+import collections
 import dataclasses
 import math
 import re
@@ -18,6 +19,7 @@ from cg_jax.core.config import blocks_for_memory
 from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
+from models.decoder import KVCache
 
 ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32),
                       max_num_batched_tokens=32)
@@ -190,6 +192,39 @@ def test_step_state_keeps_its_device_buffers(engine):
   sampling = len(jax.tree.leaves(SamplingArrays.spec(rows)))
   # draw(logits, lens, sampling, carry) -> (carry, tokens): the carry in place
   assert _aliased_inputs(engine, ("draw", rows)) == {2 + sampling: 0}
+
+
+def test_priming_runs_each_step_twice_and_writes_no_block(engine):
+  """`warmup` runs each step (and its draw) twice on empty rows: the blocks of the pool keep
+  their keys and values, and nothing compiles."""
+  table = engine.executables
+  keys = engine.executable_keys()
+  ran = collections.Counter()
+  get = table.get
+
+  def counting(key):
+    ran[key] += 1
+    return get(key)
+
+  rng = np.random.default_rng(5)
+  with engine._scheduler.exclusive():
+    cache = engine.kv_cache.get()
+    noise = [rng.standard_normal(x.shape).astype(x.dtype) for x in (cache.k, cache.v)]
+    cache = KVCache(*jax.device_put(noise, engine.input_placement))
+    compiles = compile_stats.compile_count()
+    table.get = counting
+    try:
+      cache = table.prime(keys, table.steps.split.weights, cache)
+    finally:
+      del table.get
+    # every block but the scratch one (the last)
+    for before, after in zip(noise, (cache.k, cache.v)):
+      np.testing.assert_array_equal(np.asarray(after)[:, :-1], before[:, :-1])
+    engine.kv_cache.set(cache)
+  steps = [key for key in keys if key[0] == "step"]
+  assert {key: ran[key] for key in steps} == {key: 2 for key in steps}
+  assert {key for key in ran if key[0] == "draw"} == {k for k in keys if k[0] == "draw"}
+  assert compile_stats.compile_count() == compiles
 
 
 def test_mixed_length_batch_equals_each_prompt_alone(engine):
