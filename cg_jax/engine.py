@@ -367,7 +367,7 @@ class Engine:
     try:
       group.wait()
     finally:
-      group.cancel()  # an interrupted wait frees the slots
+      group.cancel()  # an interrupted wait frees its blocks
     texts = None
     if self.tokenizer is not None:
       texts = [final_text(self.tokenizer, tokens, request.stop) for tokens in group.tokens]
@@ -399,7 +399,7 @@ class Engine:
         if rest:
           yield StreamChunk(step, {}, rest)
     finally:
-      group.cancel()  # a stream closed early frees its slots
+      group.cancel()  # a stream closed early frees its blocks
 
   def submit(self, prompt, max_new_tokens: int | None = None, *,
              params: SamplingParams | None = None, timeout: float | None = None,

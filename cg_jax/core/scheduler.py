@@ -194,8 +194,7 @@ class Scheduler:
     if not self.planner.config.prefix_cache:
       blocks = {k: v for k, v in blocks.items() if not k.startswith("prefix_cache")}
     return {"running": running, "waiting": len(self._waiting),
-            "slots": self.config.buckets.max_batch,
-            "slot_occupancy": running / self.config.buckets.max_batch,
+            "max_running": self.config.step_rows,
             "steps": self.counters["steps"],
             "decode_steps": self.counters["decode_steps"],
             "prefill_chunks": self.counters["chunks"],
