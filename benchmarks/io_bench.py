@@ -163,7 +163,8 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
   chunks = [jnp.full((total_bytes // steps // 2,), i, jnp.bfloat16) for i in range(steps)]
 
   def step_and_offload(weights, cache, carry, lens, chunk):
-    return steps_fn.step(weights, cache, carry, *state.inputs, lens), chunk
+    return steps_fn.step(runner.config.token_buckets[0], weights, cache, carry, state.staged,
+                         lens), chunk
 
   with_chunk = jax.jit(step_and_offload, donate_argnums=(1, 2, 3),
                        out_shardings=(host_io.on_device(device), host_io.pinned_host(device)))
@@ -182,7 +183,7 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
         (carry, _, _, cache, lens), copy = with_chunk(weights, cache, carry, lens, chunks[i])
         copies.append(copy)
       else:
-        carry, _, _, cache, lens = decode(weights, cache, carry, *state.inputs, lens)
+        carry, _, _, cache, lens = decode(weights, cache, carry, state.staged, lens)
     holder.set(cache)
     jax.block_until_ready((carry, copies))
     return (time.perf_counter() - start) / steps, copies

@@ -129,7 +129,7 @@ class Engine:
     mesh = None if self._parallel is None else self._parallel.mesh
     steps = StepFunctions(self._split, e.forward, attention.for_forward(e.forward, mesh),
                           attention.paged_for_forward(e.forward, mesh), e.tensor_parallel,
-                          carry_rows=e.step_rows)
+                          layout=e.step_layout)
     # Compiled executables are also stored serialized beside the compilation cache.
     store = None if compilation_cache is False else self.compilation_cache_dir
     self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)

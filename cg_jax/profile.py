@@ -192,7 +192,7 @@ class DecodeState:
   again."""
 
   carry: Any  # [C] the rows' tokens (the steps feed their outputs back)
-  inputs: tuple  # (tokens, feed, tables, query_starts, query_lens) on the device
+  staged: Any  # [P] the staged buffer: (tokens, feed, tables, query_starts, query_lens)
   lens: np.ndarray  # [R] the rows' lengths at the first step
   room: int  # steps before a row reaches max_seq_len
 
@@ -246,7 +246,9 @@ def prepare_decode(engine, batch: int, position: int, seed: int = 0) -> tuple[An
   tables[:batch] = identity_tables(engine, batch)
   inputs = (np.zeros((size,), np.int32), feed, tables, starts, counts)
   lens = np.where(counts > 0, position + 1, 0).astype(np.int32)
-  return step, DecodeState(carry, _inputs(engine, inputs), lens, c.max_seq_len - 1 - position)
+  staged = engine.executables.get(("load",))(np.zeros((c.step_layout.size,), np.int32),
+                                             c.step_layout.pack(*inputs))
+  return step, DecodeState(carry, staged, lens, c.max_seq_len - 1 - position)
 
 
 def _run_steps(engine, step, state: DecodeState, steps: int, read_back: bool):
@@ -262,7 +264,7 @@ def _run_steps(engine, step, state: DecodeState, steps: int, read_back: bool):
     if i % state.room == 0:
       lens = _inputs(engine, state.lens)
     call = time.perf_counter()
-    carry, emitted, _, cache, lens = step(weights, cache, carry, *state.inputs, lens)
+    carry, emitted, _, cache, lens = step(weights, cache, carry, state.staged, lens)
     dispatch.append(time.perf_counter() - call)
     if read_back:
       np.asarray(emitted)

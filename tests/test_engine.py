@@ -144,18 +144,20 @@ def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
   counts[0] = size
   starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
   no_feed = np.full((size,), -1, np.int32)
-  step = table.get(("step", size))
+  step, load, layout = table.get(("step", size)), table.get(("load",)), config.step_layout
   carry = np.zeros((config.step_rows,), np.int32)
   with engine._scheduler.exclusive():
-    carry, new, logits, cache, _ = step(weights, engine.kv_cache.get(), carry,
-                                        np.ones((size,), np.int32), no_feed,
-                                        identity_tables(engine, rows), starts, counts, counts)
+    staged = load(np.zeros((layout.size,), np.int32),
+                  layout.pack(np.ones((size,), np.int32), no_feed, identity_tables(engine, rows),
+                              starts, counts))
+    carry, new, logits, cache, _ = step(weights, engine.kv_cache.get(), carry, staged, counts)
     one = (np.arange(rows) == 0).astype(np.int32)
     feed = no_feed.copy()
     feed[0] = 0
-    carry, emitted, _, cache, lens = step(
-        weights, cache, carry, np.zeros((size,), np.int32), feed, identity_tables(engine, rows),
-        np.concatenate([[0], np.cumsum(one)]).astype(np.int32), one, one * (size + 1))
+    staged = load(staged, layout.pack(np.zeros((size,), np.int32), feed,
+                                      identity_tables(engine, rows),
+                                      np.concatenate([[0], np.cumsum(one)]).astype(np.int32), one))
+    carry, emitted, _, cache, lens = step(weights, cache, carry, staged, one * (size + 1))
     engine.kv_cache.set(cache)
   assert new.sharding.memory_kind == emitted.sharding.memory_kind == "pinned_host"
   assert logits.sharding.memory_kind == carry.sharding.memory_kind == "device"
@@ -179,15 +181,17 @@ def _aliased_inputs(engine, key) -> dict[int, int]:
 
 def test_step_state_keeps_its_device_buffers(engine):
   """The state a step hands to the next (cache, carry, lengths) is donated and aliased to the
-  outputs that carry it on, so the addresses a step's command buffer records do not move from
-  one decode step to the next (moved ones make XLA update the recorded commands first)."""
+  outputs that carry it on, and "load" writes the staged index arrays in place, so no address
+  a step's command buffer records moves from one step to the next (moved ones make XLA update
+  the recorded commands first)."""
   table = engine.executables
   weights = len(jax.tree.leaves(table.signature(("step", 8))[1][0]))
   for size in engine.config.token_buckets:
-    # inputs: weights, cache k and v, carry, tokens, feed, tables, starts, query_lens, seq_lens;
-    # outputs: carry, tokens (host), logits, cache k and v, next seq_lens
+    # inputs: weights, cache k and v, carry, staged, seq_lens; outputs: carry, tokens (host),
+    # logits, cache k and v, next seq_lens
     assert _aliased_inputs(engine, ("step", size)) == {
-        weights: 3, weights + 1: 4, weights + 2: 0, weights + 8: 5}, size
+        weights: 3, weights + 1: 4, weights + 2: 0, weights + 4: 5}, size
+  assert _aliased_inputs(engine, ("load",)) == {0: 0}
   rows = engine.config.rows(engine.config.token_buckets[0])
   sampling = len(jax.tree.leaves(SamplingArrays.spec(rows)))
   # draw(logits, lens, sampling, carry) -> (carry, tokens): the carry in place
@@ -223,6 +227,7 @@ def test_priming_runs_each_step_twice_and_writes_no_block(engine):
     engine.kv_cache.set(cache)
   steps = [key for key in keys if key[0] == "step"]
   assert {key: ran[key] for key in steps} == {key: 2 for key in steps}
+  assert ran[("load",)] == 2 * len(steps)  # each step's empty rows, staged
   assert {key for key in ran if key[0] == "draw"} == {k for k in keys if k[0] == "draw"}
   assert compile_stats.compile_count() == compiles
 

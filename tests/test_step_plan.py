@@ -8,7 +8,11 @@ import subprocess
 import sys
 import types
 
+import numpy as np
+import pytest
+
 from cg_jax.core.block_pool import BlockPool
+from cg_jax.core.step_inputs import StepLayout
 from cg_jax.core.step_plan import PlanConfig, Planner, StepPlan
 
 
@@ -216,12 +220,39 @@ def test_emitting_rows_that_ask_for_logprobs_score_their_tokens():
   assert step.decodes == 2 and step.keys == (("step", 8), ("draw", 8), ("token_logprobs", 8))
 
 
-def test_the_planner_imports_no_jax():
-  path = pathlib.Path(__file__).parent.parent / "cg_jax" / "core" / "step_plan.py"
+def _packages_imported(module: str) -> str:
+  """The jax, jaxlib and cg_jax modules that loading cg_jax/core/`module` alone imports (a
+  printed list)."""
+  path = pathlib.Path(__file__).parent.parent / "cg_jax" / "core" / module
   code = ("import importlib.util, sys\n"
-          f"spec = importlib.util.spec_from_file_location('plan', {str(path)!r})\n"
-          "module = sys.modules['plan'] = importlib.util.module_from_spec(spec)\n"
+          f"spec = importlib.util.spec_from_file_location('alone', {str(path)!r})\n"
+          "module = sys.modules['alone'] = importlib.util.module_from_spec(spec)\n"
           "spec.loader.exec_module(module)\n"
           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'cg_jax')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == "[]"
+  return out.stdout.strip()
+
+
+def test_the_planner_and_the_step_layout_import_no_jax():
+  assert _packages_imported("step_plan.py") == "[]"
+  assert _packages_imported("step_inputs.py") == "[]"
+
+
+def test_a_steps_index_arrays_pack_into_the_staged_buffer_and_split_back():
+  layout = StepLayout(token_buckets=(8, 16, 64), step_rows=4, width=3)
+  # The largest step's: 2 x 64 tokens, 4 tables of 3 blocks, 5 starts, 4 lengths.
+  assert layout.size == 2 * 64 + 4 * 3 + 5 + 4
+  rng = np.random.default_rng(0)
+  for size in layout.token_buckets:
+    rows = layout.rows(size)
+    arrays = (rng.integers(0, 99, (size,)), rng.integers(-1, 4, (size,)),
+              rng.integers(0, 50, (rows, 3)), rng.integers(0, size, (rows + 1,)),
+              rng.integers(0, 9, (rows,)))
+    arrays = tuple(a.astype(np.int32) for a in arrays)
+    packed = layout.pack(*arrays)
+    assert packed.shape == (layout.size,) and packed.dtype == np.int32
+    assert not packed[layout.length(size):].any()  # zeros after the step's arrays
+    for got, want in zip(layout.split(packed, size), arrays):
+      np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=r"a step of 8 tokens takes arrays of shapes"):
+    layout.pack(*(np.zeros((8,), np.int32),) * 5)

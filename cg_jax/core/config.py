@@ -23,6 +23,7 @@ import jax
 from cg_jax.core import graphs as graph_modes
 from cg_jax.core.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.core.sharding import check_tensor_parallel
+from cg_jax.core.step_inputs import StepLayout
 from cg_jax.kernels.flash_attention import FlashAttentionConfig
 from models.config import DecoderConfig
 from models.decoder import LAYER_LOOPS, cache_bytes
@@ -354,6 +355,11 @@ class EngineConfig:
   def rows(self, tokens: int) -> int:
     """R: the rows of a step of `tokens` tokens (its block tables and logits)."""
     return min(tokens, self.step_rows)
+
+  @property
+  def step_layout(self) -> StepLayout:
+    """Where a step's index arrays lie in the staged buffer (`cg_jax.core.step_inputs`)."""
+    return StepLayout(self.token_buckets, self.step_rows, self.table_width)
 
   @property
   def table_width(self) -> int:

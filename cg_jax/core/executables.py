@@ -2,6 +2,8 @@
 
 Keys (plain tuples, as `keys()` lists them):
   ("cache",)                      allocate the zeroed paged KV cache
+  ("load",)                       a step's index arrays, packed on the host, into the staged
+                                  buffer (in place: `cg_jax.core.step_inputs`)
   ("step", tokens)                one engine step: decode rows and prompt chunks of up to
                                   `rows(tokens)` requests in a flat batch of `tokens` (a token
                                   bucket), each at its cache offset over its block table
@@ -15,7 +17,7 @@ Keys (plain tuples, as `keys()` lists them):
 
 Every executable that reads or writes the cache takes the block tables of its rows (int32
 [rows, W]; `cg_jax.core.steps`): no executable copies cache blocks. The scheduler
-(`cg_jax.core.scheduler`) uses the serving phase (`SERVING_PHASES`: step and draw) and, for
+(`cg_jax.core.scheduler`) uses the serving phase (`SERVING_PHASES`: load, step and draw) and, for
 requests with log-probabilities, "logprobs" (token_logprobs, score: compiled on first use unless
 warmed up); the static "prefill" and "first" serve benchmarks.
 The prefill executables (`prefills`: steps of more tokens than rows, "score", "prefill")
@@ -36,6 +38,7 @@ engine of the same build loads it without tracing, lowering or compiling (one de
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import os
 import pathlib
@@ -109,7 +112,7 @@ class ExecutableTable:
     rows = sorted({self.config.rows(tokens) for tokens in steps})
     if "step" in phases:
       # Steps pick greedily; a step with a sampling row draws from its logits.
-      keys += [("step", tokens) for tokens in steps] + [("draw", r) for r in rows]
+      keys += [("load",)] + [("step", tokens) for tokens in steps] + [("draw", r) for r in rows]
     if "logprobs" in phases:
       keys += [("token_logprobs", r) for r in rows]
       keys += [("score", length) for length in self.score_lengths()
@@ -151,12 +154,14 @@ class ExecutableTable:
       return (lambda: init_cache(c, e.num_blocks + 1, e.prefix_block, self.dtype)), (), (), (), \
           "cache"
     width = self.config.table_width
+    staged = i32(self.config.step_layout.size)
+    if phase == "load":
+      return steps.load, (staged, staged), (0,), (rep, rep), rep
     if phase == "step":
       tokens, carry = key[1], self.config.step_rows
-      rows = self.config.rows(tokens)
-      return (steps.step, (weights, cache, i32(carry), i32(tokens), i32(tokens), i32(rows, width),
-                           i32(rows + 1), i32(rows), i32(rows)), (1, 2, 8), state + (rep,) * 7,
-              (rep, "host", rep, "cache", rep))
+      return (functools.partial(steps.step, tokens),
+              (weights, cache, i32(carry), staged, i32(self.config.rows(tokens))), (1, 2, 4),
+              state + (rep,) * 3, (rep, "host", rep, "cache", rep))
     if phase == "draw":
       rows = key[1]
       logits = jax.ShapeDtypeStruct((rows, self.model.vocab_size), jnp.float32)
@@ -193,7 +198,8 @@ class ExecutableTable:
     outs = (tuple(placement[n] for n in outputs) if isinstance(outputs, tuple)
             else placement[outputs])
     # keep_unused: a donated input the function only overwrites (draw's carry) keeps its buffer.
-    return jax.jit(fn, donate_argnums=donate, keep_unused=True, in_shardings=tuple(placement[n] for n in inputs),
+    ins = tuple(placement[n] for n in inputs)
+    return jax.jit(fn, donate_argnums=donate, keep_unused=True, in_shardings=ins,
                    out_shardings=outs).lower(*args)
 
   def get(self, key: tuple):
@@ -289,24 +295,27 @@ class ExecutableTable:
     return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
 
   def prime(self, keys: Sequence[tuple], weights: list, cache: KVCache) -> KVCache:
-    """Run the "step" and "draw" executables among `keys` twice each on inputs that write
+    """Run the "load", "step" and "draw" executables among `keys` twice each on inputs that write
     nothing (every row empty, block tables naming the scratch block, greedy rows): XLA runs an
     executable's first call kernel by kernel and records its command buffer (CUDA graph) on
     the second, so the first requests pay for neither. Returns the cache (each step donates
     it)."""
     c = self.config
     i32 = lambda shape, value=0: np.full(shape, value, np.int32)  # noqa: E731
+    staged = i32((c.step_layout.size,))
     primed = set()
     for key in keys:
       if key[0] != "step":
         continue
       tokens, rows = key[1], c.rows(key[1])
       draw = ("draw", rows)
+      empty = c.step_layout.pack(i32((tokens,)), i32((tokens,), -1),
+                                 i32((rows, c.table_width), c.scratch_block), i32((rows + 1,)),
+                                 i32((rows,)))
       for _ in range(2):
+        staged = self.get(("load",))(staged, empty)
         carry, _, logits, cache, _ = self.get(key)(
-            weights, cache, i32((c.step_rows,)), i32((tokens,)), i32((tokens,), -1),
-            i32((rows, c.table_width), c.scratch_block), i32((rows + 1,)), i32((rows,)),
-            i32((rows,)))
+            weights, cache, i32((c.step_rows,)), staged, i32((rows,)))
         if draw in keys and draw not in primed:
           greedy = SamplingArrays.host(rows, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                                        rows=i32((0,)))

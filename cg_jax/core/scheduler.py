@@ -102,9 +102,12 @@ class Scheduler:
     # the number of steps launched.
     self._carry = None
     self._steps = 0
-    # A decode step's inputs on the device, reused while the same requests decode in the same
-    # rows: (the step's requests, (tokens, feed, tables, query_starts, query_lens), sampling
-    # arrays or None, seq_lens of the next step).
+    # The staged buffer: the index arrays of the last step loaded (`cg_jax.core.step_inputs`),
+    # read by every step in place; None until the first step.
+    self._staged = None
+    # A decode step's inputs, kept on the device while the same requests decode in the same
+    # rows: (its key, its requests, sampling arrays or None, seq_lens of the next step); the
+    # staged buffer holds its index arrays.
     self._decoding: tuple | None = None
     self._thread: threading.Thread | None = None
     self._closed = False
@@ -229,7 +232,7 @@ class Scheduler:
   def _fail_all(self, error: BaseException) -> None:
     with self._wakeup:
       lives = list(self._running) + list(self._waiting)
-      self._running, self._carry, self._decoding = [], None, None
+      self._running, self._carry, self._decoding, self._staged = [], None, None, None
       self._waiting.clear()
     for live in lives:
       self._release(live)
@@ -328,23 +331,28 @@ class Scheduler:
     # while the same requests decode in the same rows (their block tables never change).
     reusable = plan.decodes == len(group) and fed
     last = self._decoding
-    if reusable and last is not None and last[0] == plan.key and _same(last[1], group):
-      # The same rows decode again: the last step's inputs, its lengths one longer.
-      _, _, inputs, sampling, seq_lens = last
+    reused = reusable and last is not None and last[0] == plan.key and _same(last[1], group)
+    if reused:
+      # The same rows decode again: the staged index arrays, the last step's lengths.
+      _, _, sampling, seq_lens = last
     else:
       *inputs, seq_lens = self._inputs(plan, group)
+      self._load(inputs)
       sampling = self._sampling(rows, plan.rows) if plan.sample else None
     carry, emitted, logits, cache, next_lens = self.table.get(plan.key)(
-        self.weights, self.cache.get(), carry, *inputs, seq_lens)
+        self.weights, self.cache.get(), carry, self._staged, seq_lens)
     self.cache.set(cache)
-    if reusable and (last is None or last[2] is not inputs):
-      # Staged once for the steps after it (host arrays cost a transfer per call), each row fed
-      # from its own row of the carry this step leaves (one token per row: token b is row b's).
+    if reusable and not reused:
+      # Staged once for the steps after it, each row fed from its own row of the carry this
+      # step leaves (one token per row: token b is row b's): loaded after this step reads the
+      # staged buffer (the load waits for it on the device).
       tokens, feed, *rest = inputs
-      feed = np.where(np.arange(len(feed)) < len(group), np.arange(len(feed)), -1)
-      inputs, sampling = host_io.stage(((tokens, feed.astype(np.int32), *rest), sampling),
-                                       self.inputs_at)
-    self._decoding = (plan.key, group, inputs, sampling, next_lens) if reusable else None
+      own = np.where(np.arange(len(feed)) < len(group), np.arange(len(feed)), -1)
+      if not np.array_equal(own, feed):
+        self._load((tokens, own.astype(np.int32), *rest))
+      if sampling is not None:
+        sampling = host_io.stage(sampling, self.inputs_at)
+    self._decoding = (plan.key, group, sampling, next_lens) if reusable else None
     if plan.sample:
       # [C]: the emitting rows' tokens drawn at their sequences' lengths.
       carry, emitted = self.table.get(("draw", plan.rows))(logits, next_lens, sampling, carry)
@@ -365,6 +373,13 @@ class Scheduler:
     for b in plan.done:
       group[b].decoding = True
     self._reader.push((emitted, scores), (rows, [group[b] for b in plan.done]))
+
+  def _load(self, inputs: tuple[np.ndarray, ...]) -> None:
+    """A step's index arrays into the staged buffer (one transfer; the buffer keeps its
+    address)."""
+    layout = self.config.step_layout
+    staged = self._staged if self._staged is not None else np.zeros((layout.size,), np.int32)
+    self._staged = self.table.get(("load",))(staged, layout.pack(*inputs))
 
   def _inputs(self, plan: StepPlan, group: list[_Live]) -> tuple[np.ndarray, ...]:
     """A step's host arrays: (tokens [A], feed [A], tables [R, W], query_starts [R + 1],

@@ -1,8 +1,9 @@
 """The hot path: pure functions over a flat list of weight arrays and a donated KV cache, compiled
 ahead of time per bucket (`cg_jax.core.executables`):
 
-  step(weights, cache, carry[C], tokens[A], feed[A], tables[R,W], query_starts[R+1],
-       query_lens[R], seq_lens[R])   -> (carry[C], tokens[C], logits[R,V], cache, seq_lens[R])
+  load(staged[P], packed[P])                   -> staged[P]
+  step(weights, cache, carry[C], staged[P], seq_lens[R])
+                                     -> (carry[C], tokens[C], logits[R,V], cache, seq_lens[R])
   draw(logits[R,V], seq_lens[R], sampling, carry[C]) -> (carry[C], tokens[C])
   token_logprobs(logits[R,V], tokens[C])       -> scores[R,E]
   prefill(weights, cache, tokens[B,S], lengths[B], tables[B,W])    -> (logits[B,V], cache)
@@ -23,11 +24,12 @@ last query token is picked greedily into the carry; a step with a sampling row d
 its logits with `draw` instead (the sampling path sorts the vocabulary, a cost that greedy steps
 never pay), and `token_logprobs` scores them for the requests that ask (E = 1 + 2 x top
 log-probabilities, `cg_jax.core.sampling.token_scores`). The host reads each step's tokens from
-the second output (written to pinned host memory). The carry and seq_lens are donated (`draw`
-overwrites the carry in place): the state a step hands to the next keeps its device buffers,
-as the cache does, so the buffer addresses recorded in a step's command buffer (CUDA graph) do
-not change between decode steps (XLA updates the commands whose buffers moved before it
-launches the graph).
+the second output (written to pinned host memory). A step's index arrays (tokens [A], feed [A],
+tables [R,W], query_starts [R+1], query_lens [R]) are slices of the staged buffer [P] that
+`load` overwrites in place (`cg_jax.core.step_inputs`); it, the carry and seq_lens are donated
+(`draw` overwrites the carry in place), as the cache is, so no buffer a step reads moves
+between calls and the command buffer (CUDA graph) each step records stays valid (XLA updates
+the commands whose buffers moved before it launches a graph).
 
 `prefill` and `first_token` are the static path's (whole prompts of a (batch, length) bucket:
 benchmarks' baseline); `score` the log-probabilities of a prompt's own tokens (`echo`).
@@ -44,6 +46,7 @@ import jax.numpy as jnp
 from cg_jax.core.attention import PagedAttention, RaggedAttention
 from cg_jax.core.config import ForwardConfig
 from cg_jax.core.sampling import SamplingArrays, select_tokens, token_scores
+from cg_jax.core.step_inputs import StepLayout
 from cg_jax.core.weights import SplitModel
 from cg_jax.kernels.ragged_paged_attention import token_positions
 from models.decoder import KVCache
@@ -60,6 +63,8 @@ class StepFunctions:
     paged: the paged attention of the cache-using steps (`cg_jax.core.attention`; its tables
       are each call's own).
     shards: the weights' column groups (the tensor-parallel size).
+    layout: where a step's index arrays lie in the staged buffer; its step_rows is C, the
+      carry's rows.
   """
 
   split: SplitModel
@@ -67,7 +72,11 @@ class StepFunctions:
   attention: Any
   paged: PagedAttention
   shards: int = 1
-  carry_rows: int = 1
+  layout: StepLayout = StepLayout((1,), 1, 1)
+
+  @property
+  def carry_rows(self) -> int:
+    return self.layout.step_rows
 
   def _paged(self, tables) -> PagedAttention:
     return dataclasses.replace(self.paged, tables=tables)
@@ -105,19 +114,27 @@ class StepFunctions:
     """scores [R, E] of tokens[:R] (tokens [C] when they are a step's carry)."""
     return token_scores(logits, tokens[:logits.shape[0]])
 
-  def step(self, weights, cache: KVCache, carry, tokens, feed, tables, query_starts, query_lens,
-           seq_lens):
-    """One engine step: request r's query_lens[r] tokens of tokens [A] start at query_starts[r]
-    (int32 [R + 1], packed: query_starts[r + 1] = query_starts[r] + query_lens[r]) and go to the
-    blocks tables[r] at positions seq_lens[r] - query_lens[r] .. seq_lens[r] - 1 (the keys
-    before are in the cache already); tokens past query_starts[R] are padding, and a request
-    with no token writes nothing. Token i is carry[feed[i]] where feed[i] >= 0 (a decode row's
-    last token, picked by the step before: carry [C] is its output), else tokens[i].
+  @staticmethod
+  def load(staged, packed):
+    """The staged buffer, overwritten with `packed` (both [P]; `staged` is donated)."""
+    del staged  # (its buffer holds the result)
+    return packed
+
+  def step(self, size: int, weights, cache: KVCache, carry, staged, seq_lens):
+    """One engine step of A = `size` tokens (a token bucket: static) over the index arrays that
+    the staged buffer [P] holds for it (`StepLayout.split`). Request r's query_lens[r] tokens
+    of tokens [A] start at query_starts[r] (int32 [R + 1], packed: query_starts[r + 1] =
+    query_starts[r] + query_lens[r]) and go to the blocks tables[r] at positions
+    seq_lens[r] - query_lens[r] .. seq_lens[r] - 1 (the keys before are in the cache already);
+    tokens past query_starts[R] are padding, and a request with no token writes nothing.
+    Token i is carry[feed[i]] where feed[i] >= 0 (a decode row's last token, picked by the
+    step before: carry [C] is its output), else tokens[i].
     Returns (each request's greedy token after its last query token, padded to [C]: the next
     step's carry; the same tokens for the host; the logits [R, V] they were picked from; the
     cache; seq_lens after one more token per row that took any)."""
     model = self.split.merge(weights)
-    size, rows = tokens.shape[0], query_lens.shape[0]
+    rows = self.layout.rows(size)
+    tokens, feed, tables, query_starts, query_lens = self.layout.split(staged, size)
     # [A]: the fed tokens from the device, the others from the host
     tokens = jnp.where(feed >= 0, carry[jnp.clip(feed, 0, carry.shape[0] - 1)], tokens)
     # [A]: each token's position (-1: padding)
