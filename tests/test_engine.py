@@ -198,6 +198,38 @@ def test_step_state_keeps_its_device_buffers(engine):
   assert _aliased_inputs(engine, ("draw", rows)) == {2 + sampling: 0}
 
 
+def test_decode_steps_read_buffers_that_stay_where_they_are(engine):
+  """Through `generate`: consecutive decode steps read the same device buffers (the cache, the
+  carry, the staged index arrays, the lengths), as the CUDA graph they run records them; the
+  prompt's step reads the same staged buffer."""
+  table = engine.executables
+  get = table.get
+  seen = []
+
+  def recording(key):
+    exe = get(key)
+    if key[0] != "step":
+      return exe
+
+    def call(weights, cache, *state):
+      seen.append((key, [x.unsafe_buffer_pointer() if isinstance(x, jax.Array) else None
+                         for x in (cache.k, cache.v, *state)]))
+      return exe(weights, cache, *state)
+    return call
+
+  table.get = recording
+  try:
+    engine.generate([list(range(3, 15))], max_new_tokens=12, eos_token_id=[])
+  finally:
+    del table.get
+  decode = [where for key, where in seen if key == ("step", engine.config.token_buckets[0])]
+  # (the first decode step takes its lengths from the host)
+  assert len(decode) == 11 and all(where == decode[1] for where in decode[2:]), decode
+  assert None not in decode[1]
+  # every step, the prompt's too, reads its index arrays from the one staged buffer
+  assert len({where[3] for _, where in seen}) == 1
+
+
 def test_priming_runs_each_step_twice_and_writes_no_block(engine):
   """`warmup` runs each step (and its draw) twice on empty rows: the blocks of the pool keep
   their keys and values, and nothing compiles."""
