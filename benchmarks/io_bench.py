@@ -162,28 +162,27 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
   # [steps, elements]: distinct device buffers, one per step
   chunks = [jnp.full((total_bytes // steps // 2,), i, jnp.bfloat16) for i in range(steps)]
 
-  def step_and_offload(weights, cache, carry, lens, chunk):
-    return steps_fn.step(runner.config.token_buckets[0], weights, cache, carry, state.staged,
-                         lens), chunk
+  def step_and_offload(weights, cache, carry, staged, chunk):
+    return steps_fn.step(runner.config.token_buckets[0], weights, cache, carry, staged), chunk
 
   with_chunk = jax.jit(step_and_offload, donate_argnums=(1, 2, 3),
                        out_shardings=(host_io.on_device(device), host_io.pinned_host(device)))
   with_chunk = with_chunk.lower(weights, holder.get(), jnp.asarray(state.carry),
-                                jnp.asarray(state.lens), chunks[0]).compile(
+                                jnp.asarray(state.packed), chunks[0]).compile(
                                     compiler_options=runner.config.xla_options)
 
   def run(offload: bool) -> tuple[float, list]:
-    carry, lens = jnp.array(state.carry), jnp.array(state.lens)
+    carry, staged = jnp.array(state.carry), jnp.array(state.packed)
     copies = []
     cache = holder.get()
     jax.block_until_ready(cache)
     start = time.perf_counter()
     for i in range(steps):
       if offload:
-        (carry, _, _, cache, lens), copy = with_chunk(weights, cache, carry, lens, chunks[i])
+        (carry, _, _, cache, staged), copy = with_chunk(weights, cache, carry, staged, chunks[i])
         copies.append(copy)
       else:
-        carry, _, _, cache, lens = decode(weights, cache, carry, state.staged, lens)
+        carry, _, _, cache, staged = decode(weights, cache, carry, staged)
     holder.set(cache)
     jax.block_until_ready((carry, copies))
     return (time.perf_counter() - start) / steps, copies

@@ -187,13 +187,12 @@ def find_trace(logdir: str) -> str:
 @dataclasses.dataclass
 class DecodeState:
   """Inputs of repeated decode steps (engine steps of one token per row) for timing. The steps
-  advance one position each, as decoding does (each donates its lengths and returns the next
-  ones, as the engine's steps do), from `position` for at most `room` steps, then start there
-  again."""
+  advance one position each, as decoding does (each writes the next lengths into the staged
+  buffer it donates, as the engine's steps do), from `position` for at most `room` steps, then
+  start there again."""
 
-  carry: Any  # [C] the rows' tokens (the steps feed their outputs back)
-  staged: Any  # [P] the staged buffer: (tokens, feed, tables, query_starts, query_lens)
-  lens: np.ndarray  # [R] the rows' lengths at the first step
+  carry: np.ndarray  # [U] the rows' tokens (the steps feed their outputs back)
+  packed: np.ndarray  # [I] the first step's inputs (`cg_jax.core.step_inputs`)
   room: int  # steps before a row reaches max_seq_len
 
 
@@ -244,17 +243,17 @@ def prepare_decode(engine, batch: int, position: int, seed: int = 0) -> tuple[An
   starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
   tables = np.full((rows, c.table_width), c.scratch_block, np.int32)
   tables[:batch] = identity_tables(engine, batch)
-  inputs = (np.zeros((size,), np.int32), feed, tables, starts, counts)
   lens = np.where(counts > 0, position + 1, 0).astype(np.int32)
-  staged = engine.executables.get(("load",))(np.zeros((c.step_layout.size,), np.int32),
-                                             c.step_layout.pack(*inputs))
-  return step, DecodeState(carry, staged, lens, c.max_seq_len - 1 - position)
+  packed = c.step_layout.pack(np.zeros((size,), np.int32), feed, tables, starts, counts, lens)
+  return step, DecodeState(carry, packed, c.max_seq_len - 1 - position)
 
 
 def _run_steps(engine, step, state: DecodeState, steps: int, read_back: bool):
   """Run `steps` decode steps, each fed the tokens of the one before on the device; returns
   (wall seconds, per-call host dispatch seconds)."""
   carry = _inputs(engine, state.carry)
+  load = engine.executables.get(("load",))
+  staged = np.zeros_like(state.packed)
   weights, holder = engine.executables.steps.split.weights, engine.kv_cache
   cache = holder.get()
   dispatch = []
@@ -262,9 +261,9 @@ def _run_steps(engine, step, state: DecodeState, steps: int, read_back: bool):
   start = time.perf_counter()
   for i in range(steps):
     if i % state.room == 0:
-      lens = _inputs(engine, state.lens)
+      staged = load(staged, state.packed)
     call = time.perf_counter()
-    carry, emitted, _, cache, lens = step(weights, cache, carry, state.staged, lens)
+    carry, emitted, _, cache, staged = step(weights, cache, carry, staged)
     dispatch.append(time.perf_counter() - call)
     if read_back:
       np.asarray(emitted)

@@ -149,15 +149,17 @@ def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
   with engine._scheduler.exclusive():
     staged = load(np.zeros((layout.size,), np.int32),
                   layout.pack(np.ones((size,), np.int32), no_feed, identity_tables(engine, rows),
-                              starts, counts))
-    carry, new, logits, cache, _ = step(weights, engine.kv_cache.get(), carry, staged, counts)
+                              starts, counts, counts))
+    carry, new, logits, cache, staged = step(weights, engine.kv_cache.get(), carry, staged)
     one = (np.arange(rows) == 0).astype(np.int32)
     feed = no_feed.copy()
     feed[0] = 0
     staged = load(staged, layout.pack(np.zeros((size,), np.int32), feed,
                                       identity_tables(engine, rows),
-                                      np.concatenate([[0], np.cumsum(one)]).astype(np.int32), one))
-    carry, emitted, _, cache, lens = step(weights, cache, carry, staged, one * (size + 1))
+                                      np.concatenate([[0], np.cumsum(one)]).astype(np.int32), one,
+                                      one * (size + 1)))
+    carry, emitted, _, cache, staged = step(weights, cache, carry, staged)
+    lens = layout.split(np.asarray(staged), size)[-1]
     engine.kv_cache.set(cache)
   assert new.sharding.memory_kind == emitted.sharding.memory_kind == "pinned_host"
   assert logits.sharding.memory_kind == carry.sharding.memory_kind == "device"
@@ -187,21 +189,20 @@ def test_step_state_keeps_its_device_buffers(engine):
   table = engine.executables
   weights = len(jax.tree.leaves(table.signature(("step", 8))[1][0]))
   for size in engine.config.token_buckets:
-    # inputs: weights, cache k and v, carry, staged, seq_lens; outputs: carry, tokens (host),
-    # logits, cache k and v, next seq_lens
+    # inputs: weights, cache k and v, carry, staged; outputs: carry, tokens (host), logits,
+    # cache k and v, staged (with the next lengths)
     assert _aliased_inputs(engine, ("step", size)) == {
-        weights: 3, weights + 1: 4, weights + 2: 0, weights + 4: 5}, size
+        weights: 3, weights + 1: 4, weights + 2: 0, weights + 3: 5}, size
   assert _aliased_inputs(engine, ("load",)) == {0: 0}
   rows = engine.config.rows(engine.config.token_buckets[0])
   sampling = len(jax.tree.leaves(SamplingArrays.spec(rows)))
-  # draw(logits, lens, sampling, carry) -> (carry, tokens): the carry in place
+  # draw(logits, staged, sampling, carry) -> (carry, tokens): the carry in place
   assert _aliased_inputs(engine, ("draw", rows)) == {2 + sampling: 0}
 
 
 def test_decode_steps_read_buffers_that_stay_where_they_are(engine):
-  """Through `generate`: consecutive decode steps read the same device buffers (the cache, the
-  carry, the staged index arrays, the lengths), as the CUDA graph they run records them; the
-  prompt's step reads the same staged buffer."""
+  """Through `generate`: every step reads the same device buffers (the cache, the staged index
+  arrays and lengths, and the carry after the first), as the CUDA graph it runs records them."""
   table = engine.executables
   get = table.get
   seen = []
@@ -222,12 +223,10 @@ def test_decode_steps_read_buffers_that_stay_where_they_are(engine):
     engine.generate([list(range(3, 15))], max_new_tokens=12, eos_token_id=[])
   finally:
     del table.get
-  decode = [where for key, where in seen if key == ("step", engine.config.token_buckets[0])]
-  # (the first decode step takes its lengths from the host)
-  assert len(decode) == 11 and all(where == decode[1] for where in decode[2:]), decode
-  assert None not in decode[1]
-  # every step, the prompt's too, reads its index arrays from the one staged buffer
-  assert len({where[3] for _, where in seen}) == 1
+  # (cache k, cache v, carry, staged): the prompt's step and 11 decode steps
+  assert len(seen) == 12 and None not in seen[1][1]
+  assert all(where == seen[1][1] for _, where in seen[1:]), seen
+  assert [where[:2] + where[3:] for _, where in seen[:1]] == [seen[1][1][:2] + seen[1][1][3:]]
 
 
 def test_priming_runs_each_step_twice_and_writes_no_block(engine):

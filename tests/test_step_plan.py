@@ -239,20 +239,22 @@ def test_the_planner_and_the_step_layout_import_no_jax():
 
 
 def test_a_steps_index_arrays_pack_into_the_staged_buffer_and_split_back():
-  layout = StepLayout(token_buckets=(8, 16, 64), step_rows=4, width=3)
-  # The largest step's: 2 x 64 tokens, 4 tables of 3 blocks, 5 starts, 4 lengths.
-  assert layout.size == 2 * 64 + 4 * 3 + 5 + 4
+  layout = StepLayout(token_buckets=(2, 8, 64), step_rows=4, width=3)
+  # The largest step's: 4 lengths, 2 x 64 tokens, 4 tables of 3 blocks, 5 starts, 4 counts.
+  assert layout.size == 4 + 2 * 64 + 4 * 3 + 5 + 4
   rng = np.random.default_rng(0)
   for size in layout.token_buckets:
     rows = layout.rows(size)
     arrays = (rng.integers(0, 99, (size,)), rng.integers(-1, 4, (size,)),
               rng.integers(0, 50, (rows, 3)), rng.integers(0, size, (rows + 1,)),
-              rng.integers(0, 9, (rows,)))
+              rng.integers(0, 9, (rows,)), rng.integers(1, 99, (rows,)))
     arrays = tuple(a.astype(np.int32) for a in arrays)
     packed = layout.pack(*arrays)
     assert packed.shape == (layout.size,) and packed.dtype == np.int32
-    assert not packed[layout.length(size):].any()  # zeros after the step's arrays
+    # the lengths first, at [0, rows) whatever the bucket; zeros where no array lies
+    np.testing.assert_array_equal(packed[:rows], arrays[-1])
+    assert not packed[rows:4].any() and not packed[layout.length(size):].any()
     for got, want in zip(layout.split(packed, size), arrays):
       np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match=r"a step of 8 tokens takes arrays of shapes"):
-    layout.pack(*(np.zeros((8,), np.int32),) * 5)
+    layout.pack(*(np.zeros((8,), np.int32),) * 6)

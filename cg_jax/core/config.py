@@ -348,7 +348,7 @@ class EngineConfig:
 
   @property
   def step_rows(self) -> int:
-    """C: the requests running at once (the largest batch bucket): the rows of the largest
+    """U: the requests running at once (the largest batch bucket): the rows of the largest
     step and of the tokens a step hands the next (its carry)."""
     return self.buckets.max_batch
 

@@ -159,13 +159,12 @@ class ExecutableTable:
       return steps.load, (staged, staged), (0,), (rep, rep), rep
     if phase == "step":
       tokens, carry = key[1], self.config.step_rows
-      return (functools.partial(steps.step, tokens),
-              (weights, cache, i32(carry), staged, i32(self.config.rows(tokens))), (1, 2, 4),
-              state + (rep,) * 3, (rep, "host", rep, "cache", rep))
+      return (functools.partial(steps.step, tokens), (weights, cache, i32(carry), staged),
+              (1, 2, 3), state + (rep,) * 2, (rep, "host", rep, "cache", rep))
     if phase == "draw":
       rows = key[1]
       logits = jax.ShapeDtypeStruct((rows, self.model.vocab_size), jnp.float32)
-      return (steps.draw, (logits, i32(rows), SamplingArrays.spec(rows),
+      return (steps.draw, (logits, staged, SamplingArrays.spec(rows),
                            i32(self.config.step_rows)), (3,), (rep,) * 4, (rep, "host"))
     if phase == "score":
       return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
@@ -311,15 +310,15 @@ class ExecutableTable:
       draw = ("draw", rows)
       empty = c.step_layout.pack(i32((tokens,)), i32((tokens,), -1),
                                  i32((rows, c.table_width), c.scratch_block), i32((rows + 1,)),
-                                 i32((rows,)))
+                                 i32((rows,)), i32((rows,)))
       for _ in range(2):
         staged = self.get(("load",))(staged, empty)
-        carry, _, logits, cache, _ = self.get(key)(
-            weights, cache, i32((c.step_rows,)), staged, i32((rows,)))
+        carry, _, logits, cache, staged = self.get(key)(weights, cache, i32((c.step_rows,)),
+                                                        staged)
         if draw in keys and draw not in primed:
           greedy = SamplingArrays.host(rows, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                                        rows=i32((0,)))
-          self.get(draw)(logits, i32((rows,)), greedy, carry)
+          self.get(draw)(logits, staged, greedy, carry)
       primed.add(draw)
     return jax.block_until_ready(cache)
 

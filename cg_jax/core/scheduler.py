@@ -98,16 +98,15 @@ class Scheduler:
     self._waiting: collections.deque[_Live] = collections.deque()
     self._running: list[_Live] = []  # admitted, in admission order
     self._reader = host_io.AsyncReader()  # (tokens, [live per row]) of steps in flight
-    # The last step's tokens on the device [C] (decode rows of the next step read theirs) and
+    # The last step's tokens on the device [U] (decode rows of the next step read theirs) and
     # the number of steps launched.
     self._carry = None
     self._steps = 0
-    # The staged buffer: the index arrays of the last step loaded (`cg_jax.core.step_inputs`),
-    # read by every step in place; None until the first step.
+    # The staged buffer: the index arrays of the last step loaded and the lengths the last step
+    # left (`cg_jax.core.step_inputs`), donated to every step; None until the first step.
     self._staged = None
-    # A decode step's inputs, kept on the device while the same requests decode in the same
-    # rows: (its key, its requests, sampling arrays or None, seq_lens of the next step); the
-    # staged buffer holds its index arrays.
+    # A decode step kept on the device while the same requests decode in the same rows: (its
+    # key, its requests, sampling arrays or None); the staged buffer holds its next inputs.
     self._decoding: tuple | None = None
     self._thread: threading.Thread | None = None
     self._closed = False
@@ -333,29 +332,30 @@ class Scheduler:
     last = self._decoding
     reused = reusable and last is not None and last[0] == plan.key and _same(last[1], group)
     if reused:
-      # The same rows decode again: the staged index arrays, the last step's lengths.
-      _, _, sampling, seq_lens = last
+      # The same rows decode again: the staged inputs as the last step left them.
+      sampling = last[2]
     else:
-      *inputs, seq_lens = self._inputs(plan, group)
+      inputs = self._inputs(plan, group)
       self._load(inputs)
       sampling = self._sampling(rows, plan.rows) if plan.sample else None
-    carry, emitted, logits, cache, next_lens = self.table.get(plan.key)(
-        self.weights, self.cache.get(), carry, self._staged, seq_lens)
+    carry, emitted, logits, cache, self._staged = self.table.get(plan.key)(
+        self.weights, self.cache.get(), carry, self._staged)
     self.cache.set(cache)
     if reusable and not reused:
       # Staged once for the steps after it, each row fed from its own row of the carry this
-      # step leaves (one token per row: token b is row b's): loaded after this step reads the
-      # staged buffer (the load waits for it on the device).
-      tokens, feed, *rest = inputs
+      # step leaves (one token per row: token b is row b's), at the lengths this step leaves.
+      tokens, feed, tables, starts, counts, seq_lens = inputs
       own = np.where(np.arange(len(feed)) < len(group), np.arange(len(feed)), -1)
       if not np.array_equal(own, feed):
-        self._load((tokens, own.astype(np.int32), *rest))
+        self._load((tokens, own.astype(np.int32), tables, starts, counts,
+                    seq_lens + (counts > 0)))
       if sampling is not None:
         sampling = host_io.stage(sampling, self.inputs_at)
-    self._decoding = (plan.key, group, sampling, next_lens) if reusable else None
+    self._decoding = (plan.key, group, sampling) if reusable else None
     if plan.sample:
-      # [C]: the emitting rows' tokens drawn at their sequences' lengths.
-      carry, emitted = self.table.get(("draw", plan.rows))(logits, next_lens, sampling, carry)
+      # [U]: the emitting rows' tokens drawn at their sequences' lengths.
+      carry, emitted = self.table.get(("draw", plan.rows))(logits, self._staged, sampling,
+                                                           carry)
     scores = None
     if plan.scored:
       scores = self.table.get(("token_logprobs", plan.rows))(logits, carry)

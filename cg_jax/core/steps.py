@@ -1,11 +1,11 @@
 """The hot path: pure functions over a flat list of weight arrays and a donated KV cache, compiled
 ahead of time per bucket (`cg_jax.core.executables`):
 
-  load(staged[P], packed[P])                   -> staged[P]
-  step(weights, cache, carry[C], staged[P], seq_lens[R])
-                                     -> (carry[C], tokens[C], logits[R,V], cache, seq_lens[R])
-  draw(logits[R,V], seq_lens[R], sampling, carry[C]) -> (carry[C], tokens[C])
-  token_logprobs(logits[R,V], tokens[C])       -> scores[R,E]
+  load(staged[I], packed[I])                                  -> staged[I]
+  step(weights, cache, carry[U], staged[I])
+                                    -> (carry[U], tokens[U], logits[R,V], cache, staged[I])
+  draw(logits[R,V], staged[I], sampling, carry[U])            -> (carry[U], tokens[U])
+  token_logprobs(logits[R,V], tokens[U])       -> scores[R,E]
   prefill(weights, cache, tokens[B,S], lengths[B], tables[B,W])    -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
   score(weights, tokens[1,S])                                      -> scores[S,E]
@@ -25,11 +25,12 @@ its logits with `draw` instead (the sampling path sorts the vocabulary, a cost t
 never pay), and `token_logprobs` scores them for the requests that ask (E = 1 + 2 x top
 log-probabilities, `cg_jax.core.sampling.token_scores`). The host reads each step's tokens from
 the second output (written to pinned host memory). A step's index arrays (tokens [A], feed [A],
-tables [R,W], query_starts [R+1], query_lens [R]) are slices of the staged buffer [P] that
-`load` overwrites in place (`cg_jax.core.step_inputs`); it, the carry and seq_lens are donated
-(`draw` overwrites the carry in place), as the cache is, so no buffer a step reads moves
-between calls and the command buffer (CUDA graph) each step records stays valid (XLA updates
-the commands whose buffers moved before it launches a graph).
+tables [R,W], query_starts [R+1], query_lens [R], seq_lens [R]) are slices of the staged buffer
+[I] that `load` overwrites in place (`cg_jax.core.step_inputs`) and each step carries on with
+its next lengths; it and the carry are donated (`draw` overwrites the carry in place), as the
+cache is, so no buffer a step reads moves between calls and the command buffer (CUDA graph)
+each step records stays valid (XLA updates the commands whose buffers moved before it launches
+a graph).
 
 `prefill` and `first_token` are the static path's (whole prompts of a (batch, length) bucket:
 benchmarks' baseline); `score` the log-probabilities of a prompt's own tokens (`echo`).
@@ -63,7 +64,7 @@ class StepFunctions:
     paged: the paged attention of the cache-using steps (`cg_jax.core.attention`; its tables
       are each call's own).
     shards: the weights' column groups (the tensor-parallel size).
-    layout: where a step's index arrays lie in the staged buffer; its step_rows is C, the
+    layout: where a step's index arrays lie in the staged buffer; its step_rows is U, the
       carry's rows.
   """
 
@@ -100,41 +101,44 @@ class StepFunctions:
   def first_token(logits, positions, sampling: SamplingArrays | None):
     return select_tokens(logits, positions, sampling)
 
-  def draw(self, logits, lens, sampling: SamplingArrays, carry):
+  def draw(self, logits, staged, sampling: SamplingArrays, carry):
     """The tokens of a step with a sampling row: drawn from its logits [R, V], row r's at
-    position lens[r] - 1 (lens [R]: the step's next lengths; greedy rows pick the greedy
-    token), padded to the carry's rows like `step`'s. The step's carry [C] is donated and
-    overwritten: the next step reads the same buffer (a command buffer's addresses stay)."""
+    position seq_lens[r] - 1 (the lengths the step left in the staged buffer [I]: its next;
+    greedy rows pick the greedy token), padded to the carry's rows like `step`'s. The step's
+    carry [U] is donated and overwritten: the next step reads the same buffer."""
     del carry  # (its buffer holds the result)
-    tokens = _pad_rows(select_tokens(logits, lens - 1, sampling), self.carry_rows)
+    rows = logits.shape[0]
+    tokens = select_tokens(logits, staged[:rows] - 1, sampling)
+    tokens = _pad_rows(tokens, self.carry_rows)
     return tokens, tokens
 
   @staticmethod
   def token_logprobs(logits, tokens):
-    """scores [R, E] of tokens[:R] (tokens [C] when they are a step's carry)."""
+    """scores [R, E] of tokens[:R] (tokens [U] when they are a step's carry)."""
     return token_scores(logits, tokens[:logits.shape[0]])
 
   @staticmethod
   def load(staged, packed):
-    """The staged buffer, overwritten with `packed` (both [P]; `staged` is donated)."""
+    """The staged buffer, overwritten with `packed` (both [I]; `staged` is donated)."""
     del staged  # (its buffer holds the result)
     return packed
 
-  def step(self, size: int, weights, cache: KVCache, carry, staged, seq_lens):
+  def step(self, size: int, weights, cache: KVCache, carry, staged):
     """One engine step of A = `size` tokens (a token bucket: static) over the index arrays that
-    the staged buffer [P] holds for it (`StepLayout.split`). Request r's query_lens[r] tokens
+    the staged buffer [I] holds for it (`StepLayout.split`). Request r's query_lens[r] tokens
     of tokens [A] start at query_starts[r] (int32 [R + 1], packed: query_starts[r + 1] =
     query_starts[r] + query_lens[r]) and go to the blocks tables[r] at positions
     seq_lens[r] - query_lens[r] .. seq_lens[r] - 1 (the keys before are in the cache already);
     tokens past query_starts[R] are padding, and a request with no token writes nothing.
     Token i is carry[feed[i]] where feed[i] >= 0 (a decode row's last token, picked by the
-    step before: carry [C] is its output), else tokens[i].
-    Returns (each request's greedy token after its last query token, padded to [C]: the next
+    step before: carry [U] is its output), else tokens[i].
+    Returns (each request's greedy token after its last query token, padded to [U]: the next
     step's carry; the same tokens for the host; the logits [R, V] they were picked from; the
-    cache; seq_lens after one more token per row that took any)."""
+    cache; the staged buffer with seq_lens one longer in each row that took a token: the next
+    decode step's, when the same rows decode again)."""
     model = self.split.merge(weights)
     rows = self.layout.rows(size)
-    tokens, feed, tables, query_starts, query_lens = self.layout.split(staged, size)
+    tokens, feed, tables, query_starts, query_lens, seq_lens = self.layout.split(staged, size)
     # [A]: the fed tokens from the device, the others from the host
     tokens = jnp.where(feed >= 0, carry[jnp.clip(feed, 0, carry.shape[0] - 1)], tokens)
     # [A]: each token's position (-1: padding)
@@ -152,10 +156,9 @@ class StepFunctions:
     last = jnp.clip(query_starts[:-1] + query_lens - 1, 0, size - 1)
     logits = self._head(model, hidden[0, last])
     picked = _pad_rows(select_tokens(logits, seq_lens, None), self.carry_rows)
-    # [R]: the lengths after one more token per row that took one (the next decode step's, when
-    # the same rows decode again: the host reuses this step's inputs on the device).
-    next_lens = seq_lens + (query_lens > 0)
-    return picked, picked, logits, cache, next_lens
+    # [R]: the lengths after one more token per row that took one, in place
+    staged = staged.at[:rows].set(seq_lens + (query_lens > 0))
+    return picked, picked, logits, cache, staged
 
   def score(self, weights, tokens):
     """Row i of the result scores token i + 1 of tokens [1, S] given the tokens before it (the
