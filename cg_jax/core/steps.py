@@ -156,8 +156,9 @@ class StepFunctions:
     last = jnp.clip(query_starts[:-1] + query_lens - 1, 0, size - 1)
     logits = self._head(model, hidden[0, last])
     picked = _pad_rows(select_tokens(logits, seq_lens, None), self.carry_rows)
-    # [R]: the lengths after one more token per row that took one, in place
-    staged = staged.at[:rows].set(seq_lens + (query_lens > 0))
+    # [I]: the lengths after one more token per row that took one, then the rest as it was (the
+    # output aliases the donated input)
+    staged = jnp.concatenate([seq_lens + (query_lens > 0), staged[rows:]])
     return picked, picked, logits, cache, staged
 
   def score(self, weights, tokens):
