@@ -26,7 +26,7 @@ steps among them) with `EngineConfig.xla_options`.
 Every executable takes its inputs on the device (or the tensor-parallel mesh). The outputs the
 host reads (new tokens, scores) are written to pinned host memory by the executable itself: a
 device output would cost a transfer of its own after it is ready, on the time to first token
-(benchmarks/results/ttft_host_path_h200.md). The step's state (cache, carry, sequence lengths)
+(benchmarks/results/ttft_host_path_h200.md). The step's state (cache, carry, staged inputs)
 is donated, so each output reuses its input's buffer from step to step.
 
 With a store directory (the engine's compilation cache directory), each compiled executable is
