@@ -253,8 +253,9 @@ class Engine:
              workers: int | None = None,
              on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Compile every (phase, bucket) executable ahead of time, in parallel on `workers` threads
-    (None: one per CPU core), allocate the KV cache and run each step twice on empty rows
-    (`ExecutableTable.prime`: the first requests do not pay for first calls).
+    (None: one per CPU core), allocate the KV cache and run each step twice on empty rows, on
+    the buffers the requests' steps will read (`Scheduler.prime`: the first requests do not pay
+    for first calls).
 
     By default the executables that `generate`, `stream` and `submit` use: a step per token
     bucket (`EngineConfig.token_buckets`: decode rows and prompt chunks together), the draw of
@@ -278,7 +279,7 @@ class Engine:
     with self._lock:
       times = self.executables.compile(keys, progress=progress, workers=workers,
                                        on_progress=on_progress)
-      self.kv_cache.set(self.executables.prime(keys, self._split.weights, self.kv_cache.get()))
+      self._scheduler.prime(keys)
       self._compiles_at_warmup = compile_stats.compile_count()
     self._warmup_wall_s = time.perf_counter() - start
     return times

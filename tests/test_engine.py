@@ -202,7 +202,8 @@ def test_step_state_keeps_its_device_buffers(engine):
 
 def test_decode_steps_read_buffers_that_stay_where_they_are(engine):
   """Through `generate`: every step reads the same device buffers (the cache, the staged index
-  arrays and lengths, and the carry after the first), as the CUDA graph it runs records them."""
+  arrays and lengths, and the carry after the first), as the CUDA graph it runs records them;
+  the staged buffer is the one `warmup` primed the steps on."""
   table = engine.executables
   get = table.get
   seen = []
@@ -218,6 +219,8 @@ def test_decode_steps_read_buffers_that_stay_where_they_are(engine):
       return exe(weights, cache, *state)
     return call
 
+  engine.warmup(progress=False)  # (primes the steps on the scheduler's staged buffer)
+  primed = engine._scheduler._staged.unsafe_buffer_pointer()
   table.get = recording
   try:
     engine.generate([list(range(3, 15))], max_new_tokens=12, eos_token_id=[])
@@ -227,6 +230,27 @@ def test_decode_steps_read_buffers_that_stay_where_they_are(engine):
   assert len(seen) == 12 and None not in seen[1][1]
   assert all(where == seen[1][1] for _, where in seen[1:]), seen
   assert [where[:2] + where[3:] for _, where in seen[:1]] == [seen[1][1][:2] + seen[1][1][3:]]
+  assert seen[0][1][3] == primed  # the buffer whose addresses warm-up's graphs recorded
+
+
+def test_priming_between_decode_steps_leaves_the_requests_as_they_were(engine, monkeypatch):
+  """`warmup` primes the steps on the staged buffer that running requests' steps read (between
+  two engine iterations, as the engine's lock lets it): the next step loads its inputs afresh,
+  and the requests go on unchanged."""
+  prompts = _prompts(4, (5, 9))
+  expected = engine.generate(prompts, max_new_tokens=24, eos_token_id=[])
+  scheduler, iterations = engine._scheduler, []
+  iterate = scheduler._iteration
+
+  def iteration():
+    iterate()
+    iterations.append(scheduler._decoding is not None)
+    if len(iterations) == 6:  # (the same rows have been decoding for a few steps)
+      scheduler.prime(engine.executable_keys())
+
+  monkeypatch.setattr(scheduler, "_iteration", iteration)
+  assert engine.generate(prompts, max_new_tokens=24, eos_token_id=[]) == expected
+  assert iterations[5]  # primed while a decode step's inputs were staged
 
 
 def test_priming_runs_each_step_twice_and_writes_no_block(engine):
@@ -249,7 +273,7 @@ def test_priming_runs_each_step_twice_and_writes_no_block(engine):
     compiles = compile_stats.compile_count()
     table.get = counting
     try:
-      cache = table.prime(keys, table.steps.split.weights, cache)
+      cache, _ = table.prime(keys, table.steps.split.weights, cache)
     finally:
       del table.get
     # every block but the scratch one (the last)

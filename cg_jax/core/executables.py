@@ -293,15 +293,18 @@ class ExecutableTable:
         bar.close()
     return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
 
-  def prime(self, keys: Sequence[tuple], weights: list, cache: KVCache) -> KVCache:
+  def prime(self, keys: Sequence[tuple], weights: list, cache: KVCache,
+            staged=None) -> tuple[KVCache, Any]:
     """Run the "load", "step" and "draw" executables among `keys` twice each on inputs that write
     nothing (every row empty, block tables naming the scratch block, greedy rows): XLA runs an
     executable's first call kernel by kernel and records its command buffer (CUDA graph) on
-    the second, so the first requests pay for neither. Returns the cache (each step donates
-    it)."""
+    the second, so the first requests pay for neither. `staged`: the staged buffer to run on
+    (None: a new one), so that the graphs record the buffer the requests' steps will read.
+    Returns (the cache, the staged buffer): both donated to each step."""
     c = self.config
     i32 = lambda shape, value=0: np.full(shape, value, np.int32)  # noqa: E731
-    staged = i32((c.step_layout.size,))
+    if staged is None:
+      staged = i32((c.step_layout.size,))
     primed = set()
     for key in keys:
       if key[0] != "step":
@@ -320,7 +323,7 @@ class ExecutableTable:
                                        rows=i32((0,)))
           self.get(draw)(logits, staged, greedy, carry)
       primed.add(draw)
-    return jax.block_until_ready(cache)
+    return jax.block_until_ready((cache, staged))
 
   def share(self, other: "ExecutableTable", *, except_kinds: tuple[str, ...] = ()) -> None:
     """Use `other`'s executables (same configuration and weights) instead of compiling again;

@@ -374,6 +374,14 @@ class Scheduler:
       group[b].decoding = True
     self._reader.push((emitted, scores), (rows, [group[b] for b in plan.done]))
 
+  def prime(self, keys) -> None:
+    """Run the steps among `keys` twice on empty rows on this scheduler's staged buffer
+    (`ExecutableTable.prime`), which the next step then loads afresh. The caller holds the
+    engine's lock (no step runs meanwhile)."""
+    cache, self._staged = self.table.prime(keys, self.weights, self.cache.get(), self._staged)
+    self.cache.set(cache)
+    self._decoding = None  # (the staged buffer no longer holds a decode step's inputs)
+
   def _load(self, inputs: tuple[np.ndarray, ...]) -> None:
     """A step's index arrays into the staged buffer (one transfer; the buffer keeps its
     address)."""
