@@ -50,7 +50,7 @@ def run(model: str, args, invariant: bool, steps: dict | None) -> dict:
   else:
     options["dtype"] = "bfloat16"
   engine = Engine.from_pretrained(model, batch_invariant=invariant, **options)
-  engine.warmup(phases=("step", "decode", "logprobs"),
+  engine.warmup(phases=("step", "logprobs"),
                 progress=False)
   rng = np.random.default_rng(0)
   vocab = engine.model_config.vocab_size

@@ -114,7 +114,7 @@ def swap_overlap_rows(model: str, swap_model: str, swap_batch: int, swap_max_seq
                                   max_seq_len=max_seq_len, graphs="full", layer_loop="unroll",
                                   prefix_block=64, kv_blocks=-(-max_seq_len // 64),
                                   compilation_cache=False)
-  runner.warmup(phases=("decode",), progress=False)
+  runner.warmup(phases=("step",), progress=False)
   other = Engine.from_pretrained(swap_model, dtype="bfloat16", batch_buckets=(swap_batch,),
                                  prompt_buckets=(16,), max_seq_len=swap_max_seq_len,
                                  prefix_block=64,
@@ -154,37 +154,37 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
                                   max_seq_len=max_seq_len, graphs="full", layer_loop="unroll",
                                   compilation_cache=False)
   decode, state = profile.prepare_decode(runner, 1, max_seq_len // 2)
+  if steps > state.room:
+    raise ValueError(f"steps must be <= {state.room} (the positions left after max_seq_len // 2)")
   steps_fn, holder = runner.executables.steps, runner.kv_cache
   weights = steps_fn.split.weights
   device = jax.devices()[0]
   # [steps, elements]: distinct device buffers, one per step
   chunks = [jnp.full((total_bytes // steps // 2,), i, jnp.bfloat16) for i in range(steps)]
 
-  tables = jnp.asarray(profile.identity_tables(runner, 1))
-
-  def step_and_offload(weights, cache, tokens, positions, chunk):
-    return steps_fn.decode(weights, cache, tokens, positions, tables, None), chunk
+  def step_and_offload(weights, cache, carry, staged, chunk):
+    return steps_fn.step(runner.config.token_buckets[0], weights, cache, carry, staged), chunk
 
   with_chunk = jax.jit(step_and_offload, donate_argnums=(1, 2, 3),
                        out_shardings=(host_io.on_device(device), host_io.pinned_host(device)))
-  with_chunk = with_chunk.lower(weights, holder.get(), state.tokens, state.positions,
-                                chunks[0]).compile(compiler_options=runner.config.xla_options)
+  with_chunk = with_chunk.lower(weights, holder.get(), jnp.asarray(state.carry),
+                                jnp.asarray(state.packed), chunks[0]).compile(
+                                    compiler_options=runner.config.xla_options)
 
   def run(offload: bool) -> tuple[float, list]:
-    tokens, positions = jnp.array(state.tokens), jnp.array(state.positions)
+    carry, staged = jnp.array(state.carry), jnp.array(state.packed)
     copies = []
     cache = holder.get()
     jax.block_until_ready(cache)
     start = time.perf_counter()
     for i in range(steps):
       if offload:
-        (_, tokens, positions, cache), copy = with_chunk(weights, cache, tokens, positions,
-                                                         chunks[i])
+        (carry, _, _, cache, staged), copy = with_chunk(weights, cache, carry, staged, chunks[i])
         copies.append(copy)
       else:
-        _, tokens, positions, cache = decode(weights, cache, tokens, positions, tables, None)
+        carry, _, _, cache, staged = decode(weights, cache, carry, staged)
     holder.set(cache)
-    jax.block_until_ready((tokens, copies))
+    jax.block_until_ready((carry, copies))
     return (time.perf_counter() - start) / steps, copies
 
   run(True), run(False)  # warm

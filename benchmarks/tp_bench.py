@@ -113,7 +113,7 @@ def main():
           logits_error = relative_error(engine.logits(ids), reference_logits)
           ttft = ttft_ms(engine, args.ttft_len, [b for b in (1, 8) if b <= max(batches)])
           for batch in batches:
-            engine.warmup(batch_sizes=[batch], phases=("decode",), progress=False)
+            engine.warmup(phases=("step",), progress=False)
             row = dict(meta, mode=variant, model=model, tensor_parallel=devices, batch=batch,
                        tokens_match_one_gpu=tokens == reference_tokens,
                        logits_rel_error_vs_one_gpu=logits_error,

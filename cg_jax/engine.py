@@ -1,9 +1,9 @@
 """The engine: the front end over weights on the device, one preallocated KV cache and a table of
 executables compiled ahead of time per (phase, bucket).
 
-Request path: validate on the host -> the scheduler's queue -> prompt chunks padded to their
-(batch, length) bucket, with the first token -> decode steps over the batch. Nothing on that
-path compiles once `warmup()` has run. The jobs live in their own modules: `cg_jax.core.config` (the
+Request path: validate on the host -> the scheduler's queue -> engine steps, each one
+executable over a flat batch of tokens (a token bucket): the running requests' decode tokens and
+prompt chunks together. Nothing on that path compiles once `warmup()` has run. The jobs live in their own modules: `cg_jax.core.config` (the
 configuration tree), `cg_jax.core.weights` (placement), `cg_jax.core.executables` (the executable table),
 `cg_jax.core.scheduler` (continuous batching), `cg_jax.generation` (results and their text),
 `cg_jax.core.kv_cache` (the cache's lifecycle), `cg_jax.sampling_params` (a request's sampling
@@ -128,7 +128,8 @@ class Engine:
     self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": time.perf_counter() - start}
     mesh = None if self._parallel is None else self._parallel.mesh
     steps = StepFunctions(self._split, e.forward, attention.for_forward(e.forward, mesh),
-                          attention.paged_for_forward(e.forward, mesh), e.tensor_parallel)
+                          attention.paged_for_forward(e.forward, mesh), e.tensor_parallel,
+                          layout=e.step_layout)
     # Compiled executables are also stored serialized beside the compilation cache.
     store = None if compilation_cache is False else self.compilation_cache_dir
     self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)
@@ -252,11 +253,13 @@ class Engine:
              workers: int | None = None,
              on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Compile every (phase, bucket) executable ahead of time, in parallel on `workers` threads
-    (None: one per CPU core), and allocate the KV cache.
+    (None: one per CPU core), allocate the KV cache and run each step twice on empty rows, on
+    the buffers the requests' steps will read (`Scheduler.prime`: the first requests do not pay
+    for first calls).
 
-    By default the executables that `generate`, `stream` and `submit` use: a prefill step per
-    token bucket (`EngineConfig.token_buckets`), the first-token draw of a step's sampling rows, a
-    greedy and a sampling decode step per batch bucket, and the paged cache
+    By default the executables that `generate`, `stream` and `submit` use: a step per token
+    bucket (`EngineConfig.token_buckets`: decode rows and prompt chunks together), the draw of
+    a step's sampling rows per step row count, and the paged cache
     (`executable_keys()` lists them); `phases=cg_jax.core.executables.PHASES`
     adds the log-probability and static-path ones. Narrow it to the buckets you will use
     (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start
@@ -276,7 +279,7 @@ class Engine:
     with self._lock:
       times = self.executables.compile(keys, progress=progress, workers=workers,
                                        on_progress=on_progress)
-      self.kv_cache.get()
+      self._scheduler.prime(keys)
       self._compiles_at_warmup = compile_stats.compile_count()
     self._warmup_wall_s = time.perf_counter() - start
     return times
@@ -365,7 +368,7 @@ class Engine:
     try:
       group.wait()
     finally:
-      group.cancel()  # an interrupted wait frees the slots
+      group.cancel()  # an interrupted wait frees its blocks
     texts = None
     if self.tokenizer is not None:
       texts = [final_text(self.tokenizer, tokens, request.stop) for tokens in group.tokens]
@@ -397,7 +400,7 @@ class Engine:
         if rest:
           yield StreamChunk(step, {}, rest)
     finally:
-      group.cancel()  # a stream closed early frees its slots
+      group.cancel()  # a stream closed early frees its blocks
 
   def submit(self, prompt, max_new_tokens: int | None = None, *,
              params: SamplingParams | None = None, timeout: float | None = None,

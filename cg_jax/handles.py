@@ -105,7 +105,7 @@ class Group:
     return self._done.is_set()
 
   def cancel(self) -> None:
-    """Stop the requests at the next step boundary; their slots are freed."""
+    """Stop the requests at the next step boundary; their KV blocks are freed."""
     if not self._done.is_set():
       self.cancelled = True
       self._on_cancel()

@@ -30,7 +30,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from models.decoder import KVCache
@@ -187,10 +186,14 @@ def find_trace(logdir: str) -> str:
 
 @dataclasses.dataclass
 class DecodeState:
-  """Inputs of repeated decode steps at a fixed starting position (for timing)."""
+  """Inputs of repeated decode steps (engine steps of one token per row) for timing. The steps
+  advance one position each, as decoding does (each writes the next lengths into the staged
+  buffer it donates, as the engine's steps do), from `position` for at most `room` steps, then
+  start there again."""
 
-  tokens: Any
-  positions: Any
+  carry: np.ndarray  # [U] the rows' tokens (the steps feed their outputs back)
+  packed: np.ndarray  # [I] the first step's inputs (`cg_jax.core.step_inputs`)
+  room: int  # steps before a row reaches max_seq_len
 
 
 def _inputs(engine, tree):
@@ -210,45 +213,61 @@ def identity_tables(engine, batch: int) -> np.ndarray:
 
 
 def prepare_decode(engine, batch: int, position: int, seed: int = 0) -> tuple[Any, DecodeState]:
-  """Compile the greedy decode step for `batch`, fill the rows' KV blocks with random values
-  (timing on zeros can flatter), and return (step executable, start state). Tokens and positions are
-  donated into each step: callers pass fresh copies per run."""
+  """Compile the engine step that decodes `batch` rows (the smallest token bucket holding them),
+  fill the rows' KV blocks with random values (timing on zeros can flatter), and return (step
+  executable, state): row b feeds its token from the carry at `position`."""
   if position + 1 >= engine.config.max_seq_len:
     raise ValueError(f"position must be < max_seq_len - 1 ({engine.config.max_seq_len - 1}), "
                      f"got {position}")
-  decode = engine.executables.get(("decode", engine.config.buckets.batch_bucket(batch), True))
-  bucket = engine.config.buckets.batch_bucket(batch)
-  blocks = identity_tables(engine, bucket).size
+  c = engine.config
+  if not 1 <= batch <= c.step_rows:
+    raise ValueError(f"batch must be in [1, {c.step_rows}] (the engine's running requests), got "
+                     f"{batch}")
+  size = next(tokens for tokens in c.token_buckets if tokens >= batch)
+  rows = c.rows(size)
+  step = engine.executables.get(("step", size))
+  blocks = identity_tables(engine, batch).size
   key_k, key_v = jax.random.split(jax.random.key(seed))
 
   def fill(cache):
-    # The rows' blocks [L, bucket W, C, K, H] in place (the cache is donated: no second copy).
+    # The rows' blocks [L, batch W, C, K, H] in place (the cache is donated: no second copy).
     shape = cache.k.shape[:1] + (blocks,) + cache.k.shape[2:]
     return KVCache(k=cache.k.at[:, :blocks].set(jax.random.normal(key_k, shape, cache.k.dtype)),
                    v=cache.v.at[:, :blocks].set(jax.random.normal(key_v, shape, cache.v.dtype)))
 
   engine.kv_cache.set(jax.jit(fill, donate_argnums=0)(engine.kv_cache.get()))
   rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, engine.model_config.vocab_size, (bucket,)).astype(np.int32)
-  return decode, DecodeState(*_inputs(engine, (tokens, np.full((bucket,), position, np.int32))))
+  carry = rng.integers(0, engine.model_config.vocab_size, (c.step_rows,)).astype(np.int32)
+  feed = np.where(np.arange(size) < batch, np.arange(size), -1).astype(np.int32)
+  counts = (np.arange(rows) < batch).astype(np.int32)
+  starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+  tables = np.full((rows, c.table_width), c.scratch_block, np.int32)
+  tables[:batch] = identity_tables(engine, batch)
+  lens = np.where(counts > 0, position + 1, 0).astype(np.int32)
+  packed = c.step_layout.pack(np.zeros((size,), np.int32), feed, tables, starts, counts, lens)
+  return step, DecodeState(carry, packed, c.max_seq_len - 1 - position)
 
 
-def _run_steps(engine, decode, state: DecodeState, steps: int, read_back: bool):
-  """Run `steps` decode steps; returns (wall seconds, per-call host dispatch seconds)."""
-  tokens, positions = _inputs(engine, (jnp.array(state.tokens), jnp.array(state.positions)))
-  tables = _inputs(engine, identity_tables(engine, tokens.shape[0]))
+def _run_steps(engine, step, state: DecodeState, steps: int, read_back: bool):
+  """Run `steps` decode steps, each fed the tokens of the one before on the device; returns
+  (wall seconds, per-call host dispatch seconds)."""
+  carry = _inputs(engine, state.carry)
+  load = engine.executables.get(("load",))
+  staged = np.zeros_like(state.packed)
   weights, holder = engine.executables.steps.split.weights, engine.kv_cache
   cache = holder.get()
   dispatch = []
   jax.block_until_ready(cache)
   start = time.perf_counter()
-  for _ in range(steps):
+  for i in range(steps):
+    if i % state.room == 0:
+      staged = load(staged, state.packed)
     call = time.perf_counter()
-    tokens, positions, cache, _ = decode(weights, cache, tokens, positions, tables, None)
+    carry, emitted, _, cache, staged = step(weights, cache, carry, staged)
     dispatch.append(time.perf_counter() - call)
     if read_back:
-      np.asarray(tokens)
-  jax.block_until_ready(tokens)
+      np.asarray(emitted)
+  jax.block_until_ready(carry)
   elapsed = time.perf_counter() - start
   holder.set(cache)
   return elapsed, dispatch
@@ -276,14 +295,14 @@ def time_decode(engine, batch: int, *, position: int = 512, steps: int = 64, rep
       the bottleneck the launch queue fills and this approaches step_us (the host waits), so
       it is not a dispatch cost.
   """
-  decode, state = prepare_decode(engine, batch, position)
-  _run_steps(engine, decode, state, steps, read_back)  # warm
+  step, state = prepare_decode(engine, batch, position)
+  _run_steps(engine, step, state, steps, read_back)  # warm
   walls, pipelined = [], []
   for _ in range(repeats):
-    wall, calls = _run_steps(engine, decode, state, steps, read_back)
+    wall, calls = _run_steps(engine, step, state, steps, read_back)
     walls.append(wall / steps)
     pipelined.extend(calls)
-  idle_queue = [_run_steps(engine, decode, state, 1, read_back)[1][0]
+  idle_queue = [_run_steps(engine, step, state, 1, read_back)[1][0]
                 for _ in range(max(repeats, 16))]
   return {"step_us": statistics.median(walls) * 1e6,
           "host_dispatch_wall_us": statistics.median(idle_queue) * 1e6,
@@ -333,10 +352,10 @@ def profile_calls(fn, calls: int = 3, logdir: str | None = None) -> LaunchReport
 def profile_decode(engine, batch: int, *, position: int = 512, steps: int = 10,
                    logdir: str | None = None) -> tuple[LaunchReport, str]:
   """Profile `steps` pipelined decode steps; returns (report, trace path)."""
-  decode, state = prepare_decode(engine, batch, position)
-  _run_steps(engine, decode, state, 3, read_back=False)  # warm
+  step, state = prepare_decode(engine, batch, position)
+  _run_steps(engine, step, state, 3, read_back=False)  # warm
   logdir = logdir or tempfile.mkdtemp(prefix="cg_jax_profile_")
   with jax.profiler.trace(logdir):
-    _run_steps(engine, decode, state, steps, read_back=False)
+    _run_steps(engine, step, state, steps, read_back=False)
   path = find_trace(logdir)
   return parse_trace(path, steps), path

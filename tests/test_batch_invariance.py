@@ -1,5 +1,5 @@
 """Batch-invariant engines: a request's tokens and log-probabilities, bit for bit, do not depend
-on the requests around it, its slot, the batch bucket, or the prefix cache."""
+on the requests around it, its place in a step, the load, or the prefix cache."""
 
 import re
 
@@ -40,7 +40,7 @@ def alone():
 
 def test_the_configuration_fixes_every_shape():
   config = EngineConfig.create(preset("tiny-llama"), **OPTIONS)
-  assert config.forward.min_matmul_rows == 16 and config.forward.batch_invariant
+  assert config.forward.batch_invariant and config.token_buckets == (16 + 16,)
   gpu_like = EngineConfig.create(preset("tiny-llama"), attention="pallas",
                                  **{**OPTIONS, "prefix_block": 16})
   # The paged kernel's splits: fixed by the block table's width, not the number of tiles (the
@@ -54,19 +54,22 @@ def test_the_configuration_fixes_every_shape():
                              max_seq_len=512).buckets.prompt_lengths == (256,)
 
 
-def _projection_shapes(engine, batch: int) -> set[str]:
-  """The operand types of the decode step's two-dimensional products (projections, unembed)."""
-  text = engine.executables.lower(("decode", batch, False)).as_text()
+def _projection_shapes(engine, tokens: int) -> set[str]:
+  """The operand types of a step's two-dimensional products (projections, unembed)."""
+  text = engine.executables.lower(("step", tokens)).as_text()
   matrix = r"(tensor<\d+x\d+x(?:f|bf)\d+>)"
   return set(re.findall(rf"stablehlo\.dot_general[^\n]*: \({matrix}, {matrix}\)", text))
 
 
-def test_every_bucket_runs_the_same_products(engine):
-  shapes = [_projection_shapes(engine, batch) for batch in (1, 4, 16)]
-  assert shapes[0] and shapes[0] == shapes[1] == shapes[2]
+def test_every_step_runs_the_same_products(engine):
+  # One token bucket: a chunk of the prompt bucket beside a decode row per running request.
+  assert engine.config.token_buckets == (16 + 16,)
+  assert [key for key in engine.executable_keys() if key[0] == "step"] == [("step", 32)]
+  assert _projection_shapes(engine, 32)
   default = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1, 4, 16),
                                    prompt_buckets=(16,))
-  assert _projection_shapes(default, 1) != _projection_shapes(default, 16)
+  assert len(default.config.token_buckets) > 1
+  assert _projection_shapes(default, 8) != _projection_shapes(default, 16)
 
 
 @pytest.mark.parametrize("others", [3, 15])
@@ -97,11 +100,9 @@ def test_a_prefix_cache_hit_gives_the_same_logprobs(engine, alone, shared, used)
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(min_matmul_rows=8), r"min_matmul_rows >= the largest batch bucket \(16\)"),
     (dict(prompt_buckets=(16, 32)), r"chunks of one prompt bucket, got prompt_buckets=\(16, 32\)"),
-    (dict(batch_buckets=(2, 16)), "batch_buckets must include 1"),
     (dict(prompt_buckets=(20,)), r"prefix_block \(8\) to divide the prompt bucket \(20\)"),
-    (dict(batch_buckets=(1, 128), max_seq_len=64), "at most 64"),
+    (dict(max_num_batched_tokens=32), r"max_num_batched_tokens must equal the prompt bucket"),
 ])
 def test_settings_that_would_break_it_are_refused(options, match):
   with pytest.raises(ValueError, match=match):

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from cg_jax import cli
+from cg_jax.engine import Engine
 from cg_jax.bench import options, rows
 from models.config import PRESETS
 
@@ -70,7 +71,7 @@ def test_latency_rows_and_table(capsys, tmp_path):
 
 def test_throughput_counts_every_token_and_compares(capsys, tmp_path):
   workload = dict(kind="throughput", num_requests=8, prompt_len="5:20", output_len=6,
-                  rate=200.0, seed=0, dtype="float32")
+                  rate=200.0, seed=0, dtype="float32", client="threads")
   peer = rows.Row(system="peer", model=MODEL, workload=workload,
                   figures={"tokens_per_s": 10.0}, device="cpu", jax="0", commit="x",
                   date="2026-01-01")
@@ -98,6 +99,28 @@ def test_throughput_counts_every_token_and_compares(capsys, tmp_path):
   assert f"{f['tokens_per_s']:.4g} ({f['tokens_per_s'] / 10.0:.2f}x)" in line
 
 
+def test_throughput_offline_client_is_one_generate_call(capsys, tmp_path, monkeypatch):
+  calls = []
+  generate = Engine.generate
+
+  def counted(self, prompts, *args, **kwargs):
+    calls.append(len(prompts))
+    return generate(self, prompts, *args, **kwargs)
+
+  monkeypatch.setattr(Engine, "generate", counted)
+  output = tmp_path / "offline.jsonl"
+  code, _, _ = _bench(capsys, "throughput", *ENGINE, "--batch-buckets", "1,4",
+                      "--prompt-buckets", "16", "--num-requests", "6", "--prompt-len", "5:20",
+                      "--output-len", "5", "--client", "generate", "--output", str(output))
+  assert code == 0
+  assert calls == [6, 6]  # the unmeasured pass, then the measured one
+  [row] = rows.read([str(output)])
+  assert row.workload["client"] == "generate" and row.workload["rate"] == "inf"
+  f = row.figures
+  assert f["output_tokens"] == 6 * 5
+  assert f["tokens_per_s"] == pytest.approx(f["requests_per_s"] * 5)
+
+
 def test_startup_engine_cold_then_warm(capsys, tmp_path):
   output = tmp_path / "startup.jsonl"
   code, out, _ = _bench(capsys, "startup", *TINY_START, "--which", "engine", "--starts",
@@ -113,8 +136,8 @@ def test_startup_engine_cold_then_warm(capsys, tmp_path):
     assert 0 < f["import_s"] < f["load_s"] <= f["warmup_s"] <= f["first_answer_s"], f
     # The loading's phases fit in it (a preset: random weights, no checkpoint to read).
     assert "checkpoint_read_s" not in f and 0 < f["weights_place_s"] < f["load_s"] - f["import_s"]
-    # cache, steps of 16 and 32 tokens (one row's context), first, greedy and sampling decode
-    assert f["executables"] == 6 and 0 <= f["slowest_compile_s"] < f["warmup_s"], f
+    # cache, load, steps of 1 .. 32 tokens (one row's context; XLA attention on the CPU), draw
+    assert f["executables"] == 9 and 0 <= f["slowest_compile_s"] < f["warmup_s"], f
   # The warm start loads the executables the cold one compiled.
   assert warm.figures["warmup_s"] - warm.figures["load_s"] < (cold.figures["warmup_s"]
                                                               - cold.figures["load_s"])
@@ -146,6 +169,7 @@ def test_startup_serve(capsys, tmp_path):
     (["throughput", "--prompt-len", "0"], "--prompt-len", "N >= 1"),
     (["throughput", "--rate", "0"], "--rate", "> 0, or inf"),
     (["throughput", "--num-requests", "0"], "--num-requests", ">= 1"),
+    (["throughput", "--client", "generate", "--rate", "8"], "--client generate", "--rate inf"),
     (["startup", "--which", "engine,gpu"], "--which", "engine, serve"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, flag, allowed):

@@ -1,8 +1,11 @@
 """Engine: buckets, ahead-of-time warmup, sampling, streaming, validation."""
 
+import collections
 import dataclasses
 import math
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from cg_jax.core.config import blocks_for_memory
 from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
+from models.decoder import KVCache
 
 ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32),
                       max_num_batched_tokens=32)
@@ -57,6 +61,16 @@ def test_bucket_raises_when_nothing_fits():
   assert buckets.split(9) == [(0, 4), (4, 8), (8, 9)]
   with pytest.raises(ValueError, match="ascending"):
     Buckets((4, 2), (16,))
+
+
+def test_token_buckets_start_where_padding_tokens_stop_being_free():
+  """The Pallas kernel's steps start at 8 tokens (a step's products run on 8 rows anyway); XLA's
+  attention attends for every token of a bucket, padding too: its steps start at one."""
+  model = preset("tiny-llama")
+  xla, pallas = (EngineConfig.create(model, max_seq_len=64, attention=attention,
+                                     max_num_batched_tokens=32) for attention in ("xla", "pallas"))
+  assert xla.token_buckets == (1, 2, 4, 8, 16, 32)
+  assert pallas.token_buckets == (8, 16, 32)
 
 
 def test_large_batch_is_split_into_runs(engine):
@@ -117,27 +131,160 @@ def test_compile_counter_counts(engine):
 
 
 def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
-  """The tokens a step and a decode step hand to the host are written to pinned host memory by
-  the executables themselves (no transfer of their own on the read-back path:
-  results/ttft_host_path_h200.md); logits and the donated state stay on the device."""
+  """The tokens a step hands to the host are written to pinned host memory by the executable
+  itself (no transfer of their own on the read-back path: results/ttft_host_path_h200.md);
+  the carry, the logits and the donated cache stay on the device, and the next step feeds the
+  carry's token back."""
   config, table = engine.config, engine.executables
-  rows, size = config.step_rows, config.token_buckets[0]
-  weights, ones = table.steps.split.weights, np.ones((1,), np.int32)
-  # One request of `size` tokens in the step's first row, the others empty.
+  size = config.token_buckets[0]
+  rows = config.rows(size)
+  weights = table.steps.split.weights
+  # One request of `size` tokens in the step's first row, the others empty; then its decode row.
   counts = np.zeros((rows,), np.int32)
   counts[0] = size
   starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+  no_feed = np.full((size,), -1, np.int32)
+  step, load, layout = table.get(("step", size)), table.get(("load",)), config.step_layout
+  carry = np.zeros((config.step_rows,), np.int32)
   with engine._scheduler.exclusive():
-    new, logits, cache = table.get(("step", size))(
-        weights, engine.kv_cache.get(), np.ones((size,), np.int32), identity_tables(engine, rows),
-        starts, counts, counts)
-    tokens, _, cache, emitted = table.get(("decode", 1, True))(
-        weights, cache, np.asarray(new)[:1], ones * size, identity_tables(engine, 1), None)
+    staged = load(np.zeros((layout.size,), np.int32),
+                  layout.pack(np.ones((size,), np.int32), no_feed, identity_tables(engine, rows),
+                              starts, counts, counts))
+    carry, new, logits, cache, staged = step(weights, engine.kv_cache.get(), carry, staged)
+    one = (np.arange(rows) == 0).astype(np.int32)
+    feed = no_feed.copy()
+    feed[0] = 0
+    staged = load(staged, layout.pack(np.zeros((size,), np.int32), feed,
+                                      identity_tables(engine, rows),
+                                      np.concatenate([[0], np.cumsum(one)]).astype(np.int32), one,
+                                      one * (size + 1)))
+    carry, emitted, _, cache, staged = step(weights, cache, carry, staged)
+    lens = layout.split(np.asarray(staged), size)[-1]
     engine.kv_cache.set(cache)
   assert new.sharding.memory_kind == emitted.sharding.memory_kind == "pinned_host"
-  assert logits.sharding.memory_kind == tokens.sharding.memory_kind == "device"
+  assert logits.sharding.memory_kind == carry.sharding.memory_kind == "device"
+  assert np.asarray(lens).tolist() == (one * (size + 2)).tolist()  # the next decode step's
   assert cache.k.sharding.memory_kind == "device"
-  assert np.asarray(emitted).tolist() == np.asarray(tokens).tolist()
+  assert np.asarray(emitted).tolist() == np.asarray(carry).tolist()
+  # The same tokens as the host feeding the first step's token itself.
+  expected = engine.generate([[1] * size], max_new_tokens=2, eos_token_id=[])[0]
+  assert [int(np.asarray(new)[0]), int(np.asarray(emitted)[0])] == expected
+
+
+def _aliased_inputs(engine, key) -> dict[int, int]:
+  """{flat input index: flat output index} of the buffers a key's executable donates and reuses
+  for an output (from its lowered module)."""
+  text = engine.executables.lower(key).as_text()
+  head = next(line for line in text.splitlines() if "func.func public @main" in line)
+  inputs = head.split(") -> (")[0].split("%arg")[1:]
+  return {int(arg.split(":")[0]): int(found.group(1)) for arg in inputs
+          if (found := re.search(r"tf.aliasing_output = (\d+)", arg))}
+
+
+def test_step_state_keeps_its_device_buffers(engine):
+  """The state a step hands to the next (cache, carry, lengths) is donated and aliased to the
+  outputs that carry it on, and "load" writes the staged index arrays in place, so no address
+  a step's command buffer records moves from one step to the next (moved ones make XLA update
+  the recorded commands first)."""
+  table = engine.executables
+  weights = len(jax.tree.leaves(table.signature(("step", 8))[1][0]))
+  for size in engine.config.token_buckets:
+    # inputs: weights, cache k and v, carry, staged; outputs: carry, tokens (host), logits,
+    # cache k and v, staged (with the next lengths)
+    assert _aliased_inputs(engine, ("step", size)) == {
+        weights: 3, weights + 1: 4, weights + 2: 0, weights + 3: 5}, size
+  assert _aliased_inputs(engine, ("load",)) == {0: 0}
+  rows = engine.config.rows(engine.config.token_buckets[0])
+  sampling = len(jax.tree.leaves(SamplingArrays.spec(rows)))
+  # draw(logits, staged, sampling, carry) -> (carry, tokens): the carry in place
+  assert _aliased_inputs(engine, ("draw", rows)) == {2 + sampling: 0}
+
+
+def test_decode_steps_read_buffers_that_stay_where_they_are(engine):
+  """Through `generate`: every step reads the same device buffers (the cache, the staged index
+  arrays and lengths, and the carry after the first), as the CUDA graph it runs records them;
+  the staged buffer is the one `warmup` primed the steps on."""
+  table = engine.executables
+  get = table.get
+  seen = []
+
+  def recording(key):
+    exe = get(key)
+    if key[0] != "step":
+      return exe
+
+    def call(weights, cache, *state):
+      seen.append((key, [x.unsafe_buffer_pointer() if isinstance(x, jax.Array) else None
+                         for x in (cache.k, cache.v, *state)]))
+      return exe(weights, cache, *state)
+    return call
+
+  engine.warmup(progress=False)  # (primes the steps on the scheduler's staged buffer)
+  primed = engine._scheduler._staged.unsafe_buffer_pointer()
+  table.get = recording
+  try:
+    engine.generate([list(range(3, 15))], max_new_tokens=12, eos_token_id=[])
+  finally:
+    del table.get
+  # (cache k, cache v, carry, staged): the prompt's step and 11 decode steps
+  assert len(seen) == 12 and None not in seen[1][1]
+  assert all(where == seen[1][1] for _, where in seen[1:]), seen
+  assert [where[:2] + where[3:] for _, where in seen[:1]] == [seen[1][1][:2] + seen[1][1][3:]]
+  assert seen[0][1][3] == primed  # the buffer whose addresses warm-up's graphs recorded
+
+
+def test_priming_between_decode_steps_leaves_the_requests_as_they_were(engine, monkeypatch):
+  """`warmup` primes the steps on the staged buffer that running requests' steps read (between
+  two engine iterations, as the engine's lock lets it): the next step loads its inputs afresh,
+  and the requests go on unchanged."""
+  prompts = _prompts(4, (5, 9))
+  expected = engine.generate(prompts, max_new_tokens=24, eos_token_id=[])
+  scheduler, iterations = engine._scheduler, []
+  iterate = scheduler._iteration
+
+  def iteration():
+    iterate()
+    iterations.append(scheduler._decoding is not None)
+    if len(iterations) == 6:  # (the same rows have been decoding for a few steps)
+      scheduler.prime(engine.executable_keys())
+
+  monkeypatch.setattr(scheduler, "_iteration", iteration)
+  assert engine.generate(prompts, max_new_tokens=24, eos_token_id=[]) == expected
+  assert iterations[5]  # primed while a decode step's inputs were staged
+
+
+def test_priming_runs_each_step_twice_and_writes_no_block(engine):
+  """`warmup` runs each step (and its draw) twice on empty rows: the blocks of the pool keep
+  their keys and values, and nothing compiles."""
+  table = engine.executables
+  keys = engine.executable_keys()
+  ran = collections.Counter()
+  get = table.get
+
+  def counting(key):
+    ran[key] += 1
+    return get(key)
+
+  rng = np.random.default_rng(5)
+  with engine._scheduler.exclusive():
+    cache = engine.kv_cache.get()
+    noise = [rng.standard_normal(x.shape).astype(x.dtype) for x in (cache.k, cache.v)]
+    cache = KVCache(*jax.device_put(noise, engine.input_placement))
+    compiles = compile_stats.compile_count()
+    table.get = counting
+    try:
+      cache, _ = table.prime(keys, table.steps.split.weights, cache)
+    finally:
+      del table.get
+    # every block but the scratch one (the last)
+    for before, after in zip(noise, (cache.k, cache.v)):
+      np.testing.assert_array_equal(np.asarray(after)[:, :-1], before[:, :-1])
+    engine.kv_cache.set(cache)
+  steps = [key for key in keys if key[0] == "step"]
+  assert {key: ran[key] for key in steps} == {key: 2 for key in steps}
+  assert ran[("load",)] == 2 * len(steps)  # each step's empty rows, staged
+  assert {key for key in ran if key[0] == "draw"} == {k for k in keys if k[0] == "draw"}
+  assert compile_stats.compile_count() == compiles
 
 
 def test_mixed_length_batch_equals_each_prompt_alone(engine):
@@ -433,7 +580,8 @@ def test_stored_executables_load_and_a_bad_file_is_compiled_again(engine, tmp_pa
   first, second = table(), table()
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(1, engine.model_config.vocab_size)).astype(np.float32)
-  token = np.array([3], np.int32)
+  token = np.zeros((engine.config.step_rows,), np.int32)  # a step's carry: row 0 is scored
+  token[0] = 3
   key = ("token_logprobs", 1)
   scored = first.get(key)(logits, token)
   assert first.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 1
@@ -458,7 +606,9 @@ def test_prefill_gemm_default_follows_the_model_width():
 
 
 def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
-  engine = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,), prompt_buckets=(16,),
+  """Steps of more tokens than rows carry prompt chunks: the prefill GEMM options; steps of at
+  most a token per row are decode steps: the engine's own."""
+  engine = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1, 8), prompt_buckets=(16,),
                   prefill_gemm="cublas", compilation_cache=False)
   seen = {}
   lower = engine.executables.lower
@@ -468,17 +618,19 @@ def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):
       self.key, self.lowered = key, lower(key)
 
     def compile(self, compiler_options):
-      seen[self.key[0]] = compiler_options
+      seen[self.key] = compiler_options
       return self.lowered.compile(compiler_options=compiler_options)
 
   monkeypatch.setattr(engine.executables, "lower", Recording)
-  tokens = engine.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[])
-  assert seen["step"]["xla_gpu_enable_triton_gemm"] is False
-  assert "xla_gpu_enable_triton_gemm" not in seen["decode"]
-  assert seen["decode"] == engine.config.xla_options
-  reference = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1,),
+  prompt = list(range(3, 15))  # 12 tokens: the 16-token step, then decode steps of one token
+  tokens = engine.generate([prompt], max_new_tokens=3, eos_token_id=[])
+  decode = ("step", engine.config.token_buckets[0])
+  assert seen[("step", 16)]["xla_gpu_enable_triton_gemm"] is False
+  assert "xla_gpu_enable_triton_gemm" not in seen[decode]
+  assert seen[decode] == engine.config.xla_options
+  reference = Engine(preset("tiny-llama"), max_seq_len=64, batch_buckets=(1, 8),
                      prompt_buckets=(16,), prefill_gemm="xla", compilation_cache=False)
-  assert reference.generate([[3, 4, 5]], max_new_tokens=3, eos_token_id=[]) == tokens
+  assert reference.generate([prompt], max_new_tokens=3, eos_token_id=[]) == tokens
 
 
 def test_static_prefill_gives_generates_first_tokens(engine):

@@ -28,9 +28,9 @@ def _lowered(engine, key) -> str:
 def test_decode_step_lowers_for_h200_with_fused_kernels(preset, monkeypatch):
   engine = _gpu_engine(preset, monkeypatch)
   layers = engine.model_config.num_layers
-  text = _lowered(engine, ("decode", 4, True))
-  # One paged-attention kernel per layer (its decode specialization), a Triton call; nothing
-  # interpreted.
+  # The decode-sized step (8 tokens over 4 rows).
+  text = _lowered(engine, ("step", 8))
+  # One paged-attention kernel per layer, a Triton call; nothing interpreted.
   calls = re.findall(r"call @(ragged_paged_attention\w*)\(", text)
   assert len(calls) == layers, calls
   assert "custom_call @__gpu$xla.gpu.triton" in text

@@ -98,6 +98,7 @@ def test_concurrent_requests_equal_their_solo_runs(engine, engine_off, prefix_ca
   assert compile_stats.compile_count() == before
   stats = served.stats()
   assert stats["running"] == 0 and stats["waiting"] == 0
+  assert stats["max_running"] == served.config.step_rows
   assert stats["prefix_cache"] is prefix_cache
   if prefix_cache:
     assert stats["prefix_cache_hits"] - hits >= 3 and stats["prefix_cache_hit_tokens"] > 0

@@ -493,7 +493,6 @@ def test_metrics_count_requests_and_tokens(client, engine, port):
   assert delta("cg_jax_time_per_output_token_seconds_count") == 1
   assert after[("cg_jax_requests_running", ())] == 0
   assert after[("cg_jax_requests_waiting", ())] == 0
-  assert after[("cg_jax_slot_occupancy", ())] == 0
   assert after[("cg_jax_compiles_since_warmup", ())] == 0  # nothing compiled on the request path
   if "prefix_cache_hits" in engine.stats():
     assert ("cg_jax_prefix_cache_hits", ()) in after
@@ -1051,14 +1050,14 @@ def test_warmup_shows_a_bar_only_for_what_it_compiles(capsys):
   counts every key, and an exception from it stops the warm-up."""
   engine = Engine.from_pretrained("tiny-llama", max_seq_len=32, batch_buckets=(1,),
                                   prompt_buckets=(16,))
-  engine.warmup(phases=("decode",), progress=True)
+  engine.warmup(phases=("first",), progress=True)
   err = capsys.readouterr().err
-  assert "compiling: 100%" in err and "| 3/3 [" in err, err  # the cache and two decode steps
+  assert "compiling: 100%" in err and "| 3/3 [" in err, err  # the cache and two first-token picks
   seen = []
-  engine.warmup(phases=("decode",), progress=True, on_progress=lambda *c: seen.append(c))
+  engine.warmup(phases=("first",), progress=True, on_progress=lambda *c: seen.append(c))
   assert capsys.readouterr().err == "" and seen == [(3, 3)]
   seen.clear()
-  engine.warmup(phases=("decode", "prefill"), progress=True, on_progress=lambda *c: seen.append(c))
+  engine.warmup(phases=("first", "prefill"), progress=True, on_progress=lambda *c: seen.append(c))
   err = capsys.readouterr().err
   assert "| 1/1 [" in err and "compiling: 0exe" not in err, err  # (the empty bar's format)
   assert seen == [(3, 4), (4, 4)]

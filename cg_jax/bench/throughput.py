@@ -12,6 +12,14 @@ Figures: `tokens_per_s` and `requests_per_s` (all output tokens, all requests, o
 time from the first submit to the last finish), `output_tokens` (their count), and percentiles
 over the requests of `ttft_ms` (submit to first token), `tpot_ms` ((finish - first token) /
 (tokens - 1)) and `e2e_ms` (submit to finish).
+
+`--client generate` (offline, `--rate inf` only) sends the prompts as one
+`Engine.generate(prompts, output_len, eos_token_id=[])` call instead, as an offline user (and
+HF's `generate_batch`, vLLM's `LLM.generate`) does: no consumer threads, no per-request times,
+so the figures are `tokens_per_s`, `requests_per_s` and `output_tokens` over the call's wall time.
+A thread per request costs host time in this process (every step wakes each request's thread,
+which takes the interpreter lock from the engine loop): the two clients bound what a user of
+`submit` and of `generate` gets.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from cg_jax.bench import options, rows
 from cg_jax.engine import Engine
 
 
+CLIENTS = ("threads", "generate")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   options.add_model_arguments(parser)
   parser.add_argument("--num-requests", type=int, default=64, help="requests to submit")
@@ -39,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="requests per second, Poisson arrivals; inf = all at once")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the prompt lengths, tokens and arrival times")
+  parser.add_argument("--client", choices=CLIENTS, default="threads",
+                      help="threads: Engine.submit, one consumer thread per request, at the "
+                           "arrival times; generate: one Engine.generate call over all prompts "
+                           "(offline; --rate inf only)")
 
 
 class _Request(threading.Thread):
@@ -104,6 +119,9 @@ def run(args) -> list[rows.Row]:
   low, high = options.length_range("--prompt-len", args.prompt_len)
   output_len = options.integer("--output-len", args.output_len)
   per_s = options.rate("--rate", args.rate)
+  if args.client == "generate" and math.isfinite(per_s):
+    raise ValueError(f"--client generate sends every prompt at once: it takes --rate inf, got "
+                     f"--rate {args.rate}")
   if args.max_seq_len is not None:
     options.fits(high, output_len, args.max_seq_len)
   engine = Engine.from_pretrained(args.model, max_waiting=max(count, 1024),  # all may wait
@@ -131,12 +149,13 @@ def requests(count: int, lengths: tuple[int, int], per_s: float, seed: int, voca
 
 
 def workload(count: int, lengths: tuple[int, int], output_len: int, per_s: float, seed: int,
-             dtype: str) -> dict:
+             dtype: str, client: str = "threads") -> dict:
   """A throughput row's workload."""
   low, high = lengths
   return dict(kind="throughput", num_requests=count,
               prompt_len=str(low) if low == high else f"{low}:{high}", output_len=output_len,
-              rate=per_s if math.isfinite(per_s) else "inf", seed=seed, dtype=dtype)
+              rate=per_s if math.isfinite(per_s) else "inf", seed=seed, dtype=dtype,
+              client=client)
 
 
 def figures(submitted: list[float], first: list[float], finished: list[float],
@@ -162,6 +181,10 @@ def _measure(args, engine: Engine, count: int, lengths: tuple[int, int], output_
   prompts, arrivals, unmeasured = requests(count, lengths, per_s, args.seed,
                                            engine.model_config.vocab_size)
   engine.warmup()
+  row_workload = workload(count, lengths, output_len, per_s, args.seed, engine.dtype.name,
+                          args.client)
+  if args.client == "generate":
+    return [options.row(args, row_workload, _generate(engine, prompts, unmeasured, output_len))]
   # An unmeasured pass of the same shapes first (other prompts, all at once): the first pass
   # after warm-up is slower (benchmarks/results/bench_h200.md), start-up, not steady state.
   _send(engine, unmeasured, np.zeros(count), output_len, "unmeasured pass")
@@ -174,5 +197,19 @@ def _measure(args, engine: Engine, count: int, lengths: tuple[int, int], output_
                          f"{output_len}")
   values = figures([r.submitted for r in sent], [r.first for r in sent],
                    [r.finished for r in sent], [r.tokens for r in sent])
-  return [options.row(args, workload(count, lengths, output_len, per_s, args.seed,
-                                     engine.dtype.name), values)]
+  return [options.row(args, row_workload, values)]
+
+
+def _generate(engine: Engine, prompts: list[list[int]], unmeasured: list[list[int]],
+              output_len: int) -> dict[str, float]:
+  """The offline client's figures: one `generate` call over all prompts, after an unmeasured
+  one over the other prompts of the same lengths."""
+  engine.generate(unmeasured, output_len, eos_token_id=[])
+  start = time.perf_counter()
+  result = engine.generate(prompts, output_len, eos_token_id=[])
+  wall = time.perf_counter() - start
+  made = [len(tokens) for tokens in result]
+  if made != [output_len] * len(prompts):
+    raise RuntimeError(f"generate made {made} tokens, not --output-len {output_len} each")
+  return {"tokens_per_s": sum(made) / wall, "requests_per_s": len(prompts) / wall,
+          "output_tokens": sum(made)}

@@ -212,18 +212,18 @@ class RaggedAttention:
   start at query_starts[r] and sit at positions seq_lens[r] - query_lens[r] .. seq_lens[r] - 1
   of its block table `paged.tables[r]`, attending causally to its cached keys and to each
   other; tokens past query_starts[R] are padding (zeros out, nothing written). Int32 [R + 1],
-  [R], [R] arrays (traced)."""
+  [R], [R] arrays (traced); `config`: the kernel's block config for this step's bucket."""
 
   paged: PagedAttention
   query_starts: Any
   query_lens: Any
   seq_lens: Any
+  config: RaggedPagedAttentionConfig = PREFILL
 
   def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
     # q [1, A, N, H]; k, v [1, A, K, H]; positions and rows: the metadata above says it all.
     out, k_all, v_all = self.paged.ragged(q[0], k[0], v[0], k_all, v_all, layer, self.seq_lens,
-                                          self.query_starts, self.query_lens,
-                                          self.paged.prefill_config)
+                                          self.query_starts, self.query_lens, self.config)
     return out[None], k_all, v_all
 
 

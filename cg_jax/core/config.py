@@ -23,6 +23,7 @@ import jax
 from cg_jax.core import graphs as graph_modes
 from cg_jax.core.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.core.sharding import check_tensor_parallel
+from cg_jax.core.step_inputs import StepLayout
 from cg_jax.kernels.flash_attention import FlashAttentionConfig
 from models.config import DecoderConfig
 from models.decoder import LAYER_LOOPS, cache_bytes
@@ -47,8 +48,12 @@ INVARIANT_CHUNK = 256
 # and elsewhere (a CPU takes longer per token: smaller steps hold the decode rows for less).
 DEFAULT_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
 MAX_STEP_TOKENS = 1 << 16
-# The smallest token bucket of an engine step.
-MIN_STEP_TOKENS = 16
+# The smallest token bucket of an engine step (a decode step of up to that many rows), by
+# attention backend: the Pallas kernel's, 8 (decode steps run their products on at least
+# min_matmul_rows rows anyway); XLA's (the CPU default), 1: it attends for every token of the
+# bucket, padding too (the bundled model's B=1 generate on the CPU: 1.6x the time per token at
+# 8; benchmarks/results/cpu_step_tokens.md).
+MIN_STEP_TOKENS = {"pallas": 8, "xla": 1}
 # The KV-cache length when max_seq_len is not given: min(model context, DEFAULT_MAX_SEQ_LEN).
 DEFAULT_MAX_SEQ_LEN = 2048
 # Kept free beside the weights and the cache for the executables' activations and workspace: at
@@ -81,9 +86,8 @@ class ForwardConfig:
     this many rows (1 = none), so XLA emits GEMMs instead of its single-row multiply-and-reduce
     rewrite (benchmarks/results/projections_h200.md). Results are unchanged.
   prefill_attention: the Pallas flash kernel's own config (Pallas attention only).
-  batch_invariant: decode steps pad with idle rows (position -1) that the attention, the token
-    choice and the scores take too, so that every per-row operation has the same shape in every
-    batch bucket (`EngineConfig.batch_invariant`).
+  batch_invariant: the paged kernel's split count depends on the block table's width only
+    (`EngineConfig.batch_invariant`: every step also has the one token bucket's shapes).
   """
 
   attention: str
@@ -111,18 +115,17 @@ class ForwardConfig:
   def create(cls, *, attention: str | None = None, layer_loop: str | None = None,
              min_matmul_rows: int | None = None,
              prefill_attention: FlashAttentionConfig | None = None,
-             batch_invariant: bool = False, max_batch: int = 1) -> "ForwardConfig":
+             batch_invariant: bool = False) -> "ForwardConfig":
     """The config with the platform's defaults for what is None: Pallas attention and unrolled
     layers on GPU; XLA attention and scanned layers elsewhere; products on at least 8 rows.
-    `batch_invariant` (with the engine's largest batch bucket `max_batch`) pads every decode
-    step to `max_batch` rows (the paged kernel's split count is kept off the batch by
-    `cg_jax.core.attention.paged_for_forward`)."""
+    `batch_invariant`: the paged kernel's split count is kept off the batch
+    (`cg_jax.core.attention.paged_for_forward`)."""
     if attention is None:
       attention = "pallas" if on_gpu() else "xla"
     if layer_loop is None:
       layer_loop = "unroll" if on_gpu() else "scan"
     if min_matmul_rows is None:
-      min_matmul_rows = max(8, max_batch) if batch_invariant is True else 8
+      min_matmul_rows = 8
     return cls(attention=attention, layer_loop=layer_loop, min_matmul_rows=min_matmul_rows,
                prefill_attention=prefill_attention or FlashAttentionConfig(),
                batch_invariant=batch_invariant)
@@ -153,19 +156,20 @@ class EngineConfig:
     activation reserve leave of it (`blocks_for_memory`). Off by default: a cache that fills
     the H200 made a 512-token prompt's first token 7% later than one sized for the rows
     (benchmarks/results/paged_engine_v2_h200.md).
-  max_num_batched_tokens: the token budget of one engine step: prompt chunks of many requests
-    run together in one executable over a flat batch of up to this many tokens (each
-    request's chunk at its own cache offset); the step executables exist per token bucket
-    (`token_buckets`). Batch-invariant engines: the one prompt bucket.
+  max_num_batched_tokens: the token budget of one engine step: the running requests' decode
+    tokens and prompt chunks of many requests run together in one executable over a flat
+    batch of up to this many tokens (each request's tokens at its own cache offset); the step
+    executables exist per token bucket (`token_buckets`). Batch-invariant engines: the prompt
+    tokens of a step, the one prompt bucket.
   prefix_block: tokens per KV-cache block C, the paged cache's page and the prefix cache's unit
     (a prefix is shared in whole blocks); with the Pallas kernel a power of two >= 16.
   compiler_options: extra XLA options for every executable, on top of the graph mode's, as
     sorted (name, value) pairs.
-  batch_invariant: a request's logits do not depend on the other requests, the slot or the
-    load: every decode step runs its products, token choice and scores on `buckets.max_batch`
-    rows, the paged kernel's split count depends on the block table's width only, and prompts
-    are prefilled one per call in chunks of the one prompt bucket, at multiples of it
-    (prefix-cache hits are used in whole chunks).
+  batch_invariant: a request's logits do not depend on the other requests, their places or the
+    load: every step runs the one token bucket (its products, token choice and scores on the
+    same shapes), the paged kernel's split count depends on the block table's width only, and
+    a step takes one prompt's chunk of the one prompt bucket, at multiples of it (prefix-cache
+    hits are used in whole chunks), beside the decode rows.
   """
 
   max_seq_len: int
@@ -244,12 +248,6 @@ class EngineConfig:
                        f"({self.batch_invariant})")
     if not self.batch_invariant:
       return
-    if f.min_matmul_rows < self.buckets.max_batch:
-      raise ValueError(f"batch_invariant=True needs min_matmul_rows >= the largest batch bucket "
-                       f"({self.buckets.max_batch}), got min_matmul_rows={f.min_matmul_rows}")
-    if self.buckets.batch_sizes[0] != 1:
-      raise ValueError(f"batch_invariant=True prefills one prompt per call: batch_buckets must "
-                       f"include 1, got {self.buckets.batch_sizes}")
     lengths = self.buckets.prompt_lengths
     if len(lengths) != 1:
       raise ValueError(f"batch_invariant=True prefills in chunks of one prompt bucket, got "
@@ -307,11 +305,7 @@ class EngineConfig:
       # (no more than every row's whole context)
       max_num_batched_tokens = min(DEFAULT_STEP_TOKENS["gpu" if on_gpu() else "cpu"],
                                    buckets.max_batch * max_seq_len)
-    if batch_invariant is True and buckets.max_batch > MAX_MATMUL_ROWS:
-      raise ValueError(f"batch_invariant=True pads decode steps to the largest batch bucket, at "
-                       f"most {MAX_MATMUL_ROWS}; got batch_buckets={buckets.batch_sizes}")
-    forward = ForwardConfig.create(batch_invariant=batch_invariant, max_batch=buckets.max_batch,
-                                   **forward_options)
+    forward = ForwardConfig.create(batch_invariant=batch_invariant, **forward_options)
     if prefix_block is None and _is_int(max_seq_len) and max_seq_len >= 2:
       # Pages of 64 tokens beat 16 in every H200 decode row of the paged kernel.
       pallas = forward.attention == "pallas" and max_seq_len > 64
@@ -343,15 +337,29 @@ class EngineConfig:
 
   @property
   def token_buckets(self) -> tuple[int, ...]:
-    """The token counts of the step executables: powers of two from MIN_STEP_TOKENS up to
-    `max_num_batched_tokens` (which ends them)."""
+    """The token counts of the step executables: powers of two from MIN_STEP_TOKENS (the
+    attention backend's) up to `max_num_batched_tokens` (which ends them); batch-invariant
+    engines: one, a prompt chunk beside a decode row per running request (every step the same
+    shapes)."""
     budget = self.max_num_batched_tokens
-    return powers_of_two(min(MIN_STEP_TOKENS, budget), budget)
+    if self.batch_invariant:
+      return (budget + self.step_rows,)
+    return powers_of_two(min(MIN_STEP_TOKENS[self.forward.attention], budget), budget)
 
   @property
   def step_rows(self) -> int:
-    """R: the requests one step takes at most (the rows of its block tables and logits)."""
+    """U: the requests running at once (the largest batch bucket): the rows of the largest
+    step and of the tokens a step hands the next (its carry)."""
     return self.buckets.max_batch
+
+  def rows(self, tokens: int) -> int:
+    """R: the rows of a step of `tokens` tokens (its block tables and logits)."""
+    return min(tokens, self.step_rows)
+
+  @property
+  def step_layout(self) -> StepLayout:
+    """Where a step's index arrays lie in the staged buffer (`cg_jax.core.step_inputs`)."""
+    return StepLayout(self.token_buckets, self.step_rows, self.table_width)
 
   @property
   def table_width(self) -> int:
@@ -379,7 +387,7 @@ class EngineConfig:
 
   @property
   def prefill_xla_options(self) -> dict[str, Any]:
-    """The XLA options of the prefill executables (`executables.PREFILL_KINDS`): `xla_options`
+    """The XLA options of the prefill executables (`ExecutableTable.prefills`): `xla_options`
     with the prefill GEMM choice (the extras still win)."""
     return graph_modes.compiler_options(
         self.graphs, {**PREFILL_GEMMS[self.prefill_gemm], **dict(self.compiler_options)})

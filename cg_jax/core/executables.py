@@ -2,31 +2,32 @@
 
 Keys (plain tuples, as `keys()` lists them):
   ("cache",)                      allocate the zeroed paged KV cache
-  ("step", tokens)                one engine step: up to `step_rows` requests' prompt chunks in
-                                  a flat batch of `tokens` (a token bucket), each at its cache
-                                  offset
-  ("decode", batch, greedy)       one decode step over `batch` rows, each over its block table
-  ("logprobs", batch)             a decode step that also scores its tokens (log-probabilities)
-  ("token_logprobs", rows)        the scores of the tokens a step chose (rows: `step_rows`)
+  ("load",)                       a step's index arrays, packed on the host, into the staged
+                                  buffer (in place: `cg_jax.core.step_inputs`)
+  ("step", tokens)                one engine step: decode rows and prompt chunks of up to
+                                  `rows(tokens)` requests in a flat batch of `tokens` (a token
+                                  bucket), each at its cache offset over its block table
+  ("draw", rows)                  the tokens of a step of `rows` rows with a sampling row, drawn
+                                  from its logits
+  ("token_logprobs", rows)        the scores of the tokens a step of `rows` rows chose
   ("score", length)               the log-probability of each token of a prompt (`echo`)
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
-  ("first", batch, greedy)        the first token from prompt logits: with greedy False, the
-                                  draw of a step with a sampling row (batch: `step_rows`);
-                                  with True, the static path's
+  ("first", batch, greedy)        the static path's first token from its prompt logits (greedy
+                                  True: without sampling arrays)
 
-`greedy` True is the executable without sampling arrays. Every executable that reads or writes
-the cache takes the block tables of its rows (int32 [batch, W]; `cg_jax.core.steps`): no
-executable copies cache blocks. The scheduler (`cg_jax.core.scheduler`) uses the serving phases
-(`SERVING_PHASES`: step, decode) and, for requests with log-probabilities, "logprobs"
-(logprobs, token_logprobs, score: compiled on first use unless warmed up); the static
-"prefill" and the greedy "first" serve benchmarks and profiles.
-The prefill executables (`PREFILL_KINDS`) compile with `EngineConfig.prefill_xla_options` (their
-GEMM backend), the others with `EngineConfig.xla_options`.
+Every executable that reads or writes the cache takes the block tables of its rows (int32
+[rows, W]; `cg_jax.core.steps`): no executable copies cache blocks. The scheduler
+(`cg_jax.core.scheduler`) uses the serving phase (`SERVING_PHASES`: load, step and draw) and, for
+requests with log-probabilities, "logprobs" (token_logprobs, score: compiled on first use unless
+warmed up); the static "prefill" and "first" serve benchmarks.
+The prefill executables (`prefills`: steps of more tokens than rows, "score", "prefill")
+compile with `EngineConfig.prefill_xla_options` (their GEMM backend), the others (decode-sized
+steps among them) with `EngineConfig.xla_options`.
 Every executable takes its inputs on the device (or the tensor-parallel mesh). The outputs the
 host reads (new tokens, scores) are written to pinned host memory by the executable itself: a
 device output would cost a transfer of its own after it is ready, on the time to first token
-(benchmarks/results/ttft_host_path_h200.md). The decode state (cache, tokens, positions) is
-donated, so each output reuses its input's buffer from step to step.
+(benchmarks/results/ttft_host_path_h200.md). The step's state (cache, carry, staged inputs)
+is donated, so each output reuses its input's buffer from step to step.
 
 With a store directory (the engine's compilation cache directory), each compiled executable is
 also kept there serialized, named by a digest of the key, the model and engine configs, the
@@ -37,6 +38,7 @@ engine of the same build loads it without tracing, lowering or compiling (one de
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import os
 import pathlib
@@ -50,6 +52,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import serialize_executable
 from jax.sharding import SingleDeviceSharding
 from tqdm.auto import tqdm
@@ -63,9 +66,8 @@ from cg_jax.core.steps import StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
 
-PHASES = ("step", "decode", "logprobs", "prefill", "first")
-SERVING_PHASES = ("step", "decode")
-PREFILL_KINDS = ("step", "score", "prefill")
+PHASES = ("step", "logprobs", "prefill", "first")
+SERVING_PHASES = ("step",)
 
 
 class ExecutableTable:
@@ -106,28 +108,32 @@ class ExecutableTable:
       if odd:
         raise ValueError(f"{name} {odd} are not buckets of this engine; allowed {allowed}")
     keys: list[tuple] = [("cache",)]
-    rows = self.config.step_rows
+    steps = self.config.token_buckets
+    rows = sorted({self.config.rows(tokens) for tokens in steps})
     if "step" in phases:
       # Steps pick greedily; a step with a sampling row draws from its logits.
-      keys += [("step", tokens) for tokens in self.config.token_buckets]
-      keys += [("first", rows, False)]
+      keys += [("load",)] + [("step", tokens) for tokens in steps] + [("draw", r) for r in rows]
     if "logprobs" in phases:
-      keys += [("logprobs", batch) for batch in batch_sizes]
-      keys += [("token_logprobs", rows)]
+      keys += [("token_logprobs", r) for r in rows]
       keys += [("score", length) for length in self.score_lengths()
                if length in prompt_lengths or length > b.max_prompt_len]
     for batch in batch_sizes:
       if "prefill" in phases:
         keys += [("prefill", batch, length) for length in prompt_lengths]
-      for phase in ("first", "decode"):
-        if phase in phases:
-          keys += [(phase, batch, True), (phase, batch, False)]
+      if "first" in phases:
+        keys += [("first", batch, True), ("first", batch, False)]
     return list(dict.fromkeys(keys))
 
   def score_lengths(self) -> tuple[int, ...]:
     """The lengths of the "score" executables: the prompt buckets and the whole context
     (max_seq_len), so that a prompt that fills the context can be scored (`echo`)."""
     return (*self.config.buckets.prompt_lengths, self.config.max_seq_len)
+
+  def prefills(self, key: tuple) -> bool:
+    """Whether a key's executable runs prompts (more tokens than rows: its GEMMs are the
+    prefill GEMM backend's)."""
+    return key[0] in ("score", "prefill") or (
+        key[0] == "step" and key[1] > self.config.rows(key[1]))
 
   def cache_spec(self) -> KVCache:
     """The paged cache: [L, N + 1, C, K, H] per key and value (N blocks and the scratch one)."""
@@ -148,21 +154,24 @@ class ExecutableTable:
       return (lambda: init_cache(c, e.num_blocks + 1, e.prefix_block, self.dtype)), (), (), (), \
           "cache"
     width = self.config.table_width
+    staged = i32(self.config.step_layout.size)
+    if phase == "load":
+      return steps.load, (staged, staged), (0,), (rep, rep), rep
     if phase == "step":
-      rows = self.config.step_rows
-      return (steps.step, (weights, cache, i32(key[1]), i32(rows, width), i32(rows + 1),
-                           i32(rows), i32(rows)), (1,), state + (rep,) * 5, ("host", rep, "cache"))
+      tokens, carry = key[1], self.config.step_rows
+      return (functools.partial(steps.step, tokens), (weights, cache, i32(carry), staged),
+              (1, 2, 3), state + (rep,) * 2, (rep, "host", rep, "cache", rep))
+    if phase == "draw":
+      rows = key[1]
+      logits = jax.ShapeDtypeStruct((rows, self.model.vocab_size), jnp.float32)
+      return (steps.draw, (logits, staged, SamplingArrays.spec(rows),
+                           i32(self.config.step_rows)), (3,), (rep,) * 4, (rep, "host"))
     if phase == "score":
       return steps.score, (weights, i32(1, key[1])), (), ("weights", rep), rep
-    if phase == "logprobs":
-      batch = key[1]
-      return (steps.decode_scored, (weights, cache, i32(batch), i32(batch), i32(batch, width),
-                                    SamplingArrays.spec(batch)), (1, 2, 3),
-              state + (rep,) * 4, (rep, rep, "cache", "host", "host"))
     if phase == "token_logprobs":
-      batch = key[1]
-      logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
-      return steps.token_logprobs, (logits, i32(batch)), (), (rep, rep), "host"
+      rows = key[1]
+      logits = jax.ShapeDtypeStruct((rows, self.model.vocab_size), jnp.float32)
+      return steps.token_logprobs, (logits, i32(self.config.step_rows)), (), (rep, rep), "host"
     _, batch, extra = key
     if phase == "prefill":
       return (steps.prefill, (weights, cache, i32(batch, extra), i32(batch), i32(batch, width)),
@@ -171,9 +180,6 @@ class ExecutableTable:
     if phase == "first":
       logits = jax.ShapeDtypeStruct((batch, self.model.vocab_size), jnp.float32)
       return (steps.first_token, (logits, i32(batch), sampling), (), (rep, rep, rep), "host")
-    if phase == "decode":
-      return (steps.decode, (weights, cache, i32(batch), i32(batch), i32(batch, width), sampling),
-              (1, 2, 3), state + (rep,) * 4, (rep, rep, "cache", "host"))
     raise KeyError(key)
 
   def lower(self, key: tuple):
@@ -190,7 +196,9 @@ class ExecutableTable:
                    "host": self.parallel.replicated(host_io.PINNED_HOST)}
     outs = (tuple(placement[n] for n in outputs) if isinstance(outputs, tuple)
             else placement[outputs])
-    return jax.jit(fn, donate_argnums=donate, in_shardings=tuple(placement[n] for n in inputs),
+    # keep_unused: a donated input the function only overwrites (draw's carry) keeps its buffer.
+    ins = tuple(placement[n] for n in inputs)
+    return jax.jit(fn, donate_argnums=donate, keep_unused=True, in_shardings=ins,
                    out_shardings=outs).lower(*args)
 
   def get(self, key: tuple):
@@ -226,7 +234,7 @@ class ExecutableTable:
 
   def _compile(self, key: tuple):
     start = time.perf_counter()
-    options = (self.config.prefill_xla_options if key[0] in PREFILL_KINDS
+    options = (self.config.prefill_xla_options if self.prefills(key)
                else self.config.xla_options)
     hits = compile_stats.thread_cache_hit_count()
     exe = self.lower(key).compile(compiler_options=options)
@@ -284,6 +292,38 @@ class ExecutableTable:
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
+
+  def prime(self, keys: Sequence[tuple], weights: list, cache: KVCache,
+            staged=None) -> tuple[KVCache, Any]:
+    """Run the "load", "step" and "draw" executables among `keys` twice each on inputs that write
+    nothing (every row empty, block tables naming the scratch block, greedy rows): XLA runs an
+    executable's first call kernel by kernel and records its command buffer (CUDA graph) on
+    the second, so the first requests pay for neither. `staged`: the staged buffer to run on
+    (None: a new one), so that the graphs record the buffer the requests' steps will read.
+    Returns (the cache, the staged buffer): both donated to each step."""
+    c = self.config
+    i32 = lambda shape, value=0: np.full(shape, value, np.int32)  # noqa: E731
+    if staged is None:
+      staged = i32((c.step_layout.size,))
+    primed = set()
+    for key in keys:
+      if key[0] != "step":
+        continue
+      tokens, rows = key[1], c.rows(key[1])
+      draw = ("draw", rows)
+      empty = c.step_layout.pack(i32((tokens,)), i32((tokens,), -1),
+                                 i32((rows, c.table_width), c.scratch_block), i32((rows + 1,)),
+                                 i32((rows,)), i32((rows,)))
+      for _ in range(2):
+        staged = self.get(("load",))(staged, empty)
+        carry, _, logits, cache, staged = self.get(key)(weights, cache, i32((c.step_rows,)),
+                                                        staged)
+        if draw in keys and draw not in primed:
+          greedy = SamplingArrays.host(rows, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                                       rows=i32((0,)))
+          self.get(draw)(logits, staged, greedy, carry)
+      primed.add(draw)
+    return jax.block_until_ready((cache, staged))
 
   def share(self, other: "ExecutableTable", *, except_kinds: tuple[str, ...] = ()) -> None:
     """Use `other`'s executables (same configuration and weights) instead of compiling again;

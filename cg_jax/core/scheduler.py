@@ -1,26 +1,24 @@
 """Continuous batching over a paged KV cache: one engine thread owns the device.
 
 Requests wait in a bounded FIFO. The engine thread loops:
-  1. retire: finished, cancelled and timed-out requests leave their rows and give their blocks
-     back; the last occupied row takes each freed one (its block table moves with it, no cache
-     bytes), so the occupied rows stay [0, n);
-  2. admit: waiting requests take the free rows while the block pool has blocks for their whole
-     life (prompt and max_new_tokens); a prompt that starts with cached blocks shares them
-     (a prefix-cache hit copies nothing) and prefills only the rest;
-  3. step: one executable between two decode steps over a flat batch of prompt tokens up to
-     the token budget (`max_num_batched_tokens`; the smallest token bucket that holds them):
-     the next chunks of prompts already started (a cached prefix, or longer than a step's
-     budget), then the first chunks of newly admitted prompts, each at its cache offset, first
-     come first served. So a long prompt delays the running streams by one step's budget per
-     decode step. A request whose prompt is complete joins the decode batch with its first
-     token, picked in that step, and its full blocks become shareable;
-  4. decode: one step over rows [0, bucket), the smallest batch bucket holding the occupied
-     rows; rows still prefilling are idle (position -1: no cache write, no attention).
-     Up to `readback_lag` steps are in flight; the batch changes only once none is.
+  1. retire: finished, cancelled and timed-out requests leave and give their blocks back;
+  2. admit: waiting requests join the running ones (at most `max_batch`) while the block pool
+     has blocks for their whole life (prompt and max_new_tokens); a prompt that starts with
+     cached blocks shares them (a prefix-cache hit copies nothing) and prefills only the rest;
+  3. step: one executable over a flat batch of tokens up to the token budget
+     (`max_num_batched_tokens`; the smallest token bucket that holds them): every decoding
+     request's next token (fed from the previous step's output on the device), then the next
+     chunks of prompts already started (a cached prefix, or longer than a step's budget), then
+     the first chunks of newly admitted prompts, each at its cache offset, first come first
+     served. A long prompt delays the running streams by its chunk's share of one step. A
+     request whose prompt the step completes emits its first token and decodes from the next
+     step on; its full blocks become shareable.
+Up to `readback_lag` steps are in flight: the host reads a step's tokens while later steps run
+(a step that emits first tokens is read at once: the time to first token waits for nothing).
 Tokens go to each caller's own buffer, so a slow or absent consumer never blocks the loop.
 
-The policy of steps 1-4 lives in `cg_jax.core.step_plan`: its `Planner` returns each phase's plan
-(which requests, rows, blocks and executable key) from host state and keeps the block pool; the
+The policy lives in `cg_jax.core.step_plan`: its `Planner` returns each phase's plan (which
+requests, blocks, token counts and executable key) from host state and keeps the block pool; the
 engine thread here runs the plans: it calls the executables, reads tokens back and delivers
 them.
 """
@@ -45,7 +43,7 @@ from cg_jax.core.config import EngineConfig
 from cg_jax.core.executables import ExecutableTable
 from cg_jax.core.kv_cache import CacheHolder
 from cg_jax.core.sampling import SamplingArrays
-from cg_jax.core.step_plan import DecodePlan, MovePlan, PlanConfig, Planner, StepPlan
+from cg_jax.core.step_plan import PlanConfig, Planner, StepPlan
 from cg_jax.generation import RowText
 from cg_jax.handles import EngineClosed, Group, QueueFull, RequestTimeout
 
@@ -62,12 +60,12 @@ class _Live:
   text: RowText | None  # followed only to find stop strings
   deadline: float | None
   logprobs: int | None = None  # alternatives per token with their log-probabilities, or None
-  slot: int | None = None
   blocks: list[int] = dataclasses.field(default_factory=list)  # its block table
-  prefilled: int = 0  # prompt tokens in the cache
-  token: int = 0  # the last token, fed to the next step
-  position: int = 0  # where `token` goes in the cache
-  emitted: int = 0
+  prefilled: int = 0  # prompt tokens in the cache (or in a step launched)
+  launched: int = 0  # tokens the launched steps emit for it
+  carry: tuple[int, int] = (-1, 0)  # (step, row): where its last launched token is on the device
+  token: int = 0  # the last token read back
+  emitted: int = 0  # tokens read back
   decoding: bool = False
   finished: bool = False
 
@@ -98,9 +96,18 @@ class Scheduler:
     self.planner = Planner(PlanConfig.of(config), self.blocks)
     self._wakeup = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
-    self._slots: list[_Live] = []  # occupied slots [0, n)
+    self._running: list[_Live] = []  # admitted, in admission order
     self._reader = host_io.AsyncReader()  # (tokens, [live per row]) of steps in flight
-    self._inputs = None  # the decode inputs on the device, or None once the batch changed
+    # The last step's tokens on the device [U] (decode rows of the next step read theirs) and
+    # the number of steps launched.
+    self._carry = None
+    self._steps = 0
+    # The staged buffer: the index arrays of the last step loaded and the lengths the last step
+    # left (`cg_jax.core.step_inputs`), donated to every step; None until the first step.
+    self._staged = None
+    # A decode step kept on the device while the same requests decode in the same rows: (its
+    # key, its requests, sampling arrays or None); the staged buffer holds its next inputs.
+    self._decoding: tuple | None = None
     self._thread: threading.Thread | None = None
     self._closed = False
     self._resume = True  # False while a swapped-out cache should stay out
@@ -165,7 +172,7 @@ class Scheduler:
     return self._closed
 
   def idle(self) -> bool:
-    return not self._waiting and not self._slots
+    return not self._waiting and not self._running
 
   def exclusive(self) -> "Exclusive":
     """A context holding the engine's lock while no request is queued or running (the static
@@ -184,13 +191,13 @@ class Scheduler:
 
   def stats(self) -> dict[str, Any]:
     elapsed = time.perf_counter() - self._started
-    running = sum(not live.finished for live in self._slots)
+    running = sum(not live.finished for live in self._running)
     blocks = self.blocks.stats()
     if not self.planner.config.prefix_cache:
       blocks = {k: v for k, v in blocks.items() if not k.startswith("prefix_cache")}
     return {"running": running, "waiting": len(self._waiting),
-            "slots": self.config.buckets.max_batch,
-            "slot_occupancy": running / self.config.buckets.max_batch,
+            "max_running": self.config.step_rows,
+            "steps": self.counters["steps"],
             "decode_steps": self.counters["decode_steps"],
             "prefill_chunks": self.counters["chunks"],
             "generated_tokens": self.counters["tokens"],
@@ -223,8 +230,8 @@ class Scheduler:
 
   def _fail_all(self, error: BaseException) -> None:
     with self._wakeup:
-      lives = list(self._slots) + list(self._waiting)
-      self._slots, self._inputs = [], None
+      lives = list(self._running) + list(self._waiting)
+      self._running, self._carry, self._decoding, self._staged = [], None, None, None
       self._waiting.clear()
     for live in lives:
       self._release(live)
@@ -240,21 +247,24 @@ class Scheduler:
 
   def _iteration(self) -> None:
     now = time.perf_counter()
-    stale = [live for live in self._slots if live.cancelled or live.finished
+    stale = [live for live in self._running if live.cancelled or live.finished
              or live.expired(now)]
     with self._wakeup:
-      startable = self.planner.admissible(self._waiting, len(self._slots))
+      startable = self.planner.admissible(self._waiting, len(self._running))
       stale = stale or any(w.cancelled or w.expired(now) for w in self._waiting)
     if stale or startable:
       self._drain()
       self._retire(now)
       self._admit()
-    step = self.planner.step(self._slots)
-    if step is not None:
-      self._run_step(step)
-    if self._inputs is None:
-      self._drain()  # the new batch is built from every row's latest token
-    self._run_decode(self.planner.decode(self._slots, len(self._reader)))
+    plan = self.planner.step(self._running)
+    if plan is None:
+      self._drain()  # the steps in flight cover every running request's budget
+    else:
+      self._run_step(plan)
+      if plan.done:
+        self._drain()  # first tokens go out now
+      elif len(self._reader) > self.config.readback_lag:
+        self._read_one()
     self._delivered()  # (the ends of cancelled and timed-out requests)
 
   def _drain(self) -> None:
@@ -262,16 +272,18 @@ class Scheduler:
       self._read_one()
 
   def _retire(self, now: float) -> None:
-    """End cancelled and timed-out requests (from the last slot down), then free the slots of
-    every finished one (`Planner.moves`)."""
-    for live in reversed(list(self._slots)):
+    """End cancelled and timed-out requests, then release every finished one's blocks."""
+    for live in self._running:
       if not live.finished:
         if live.cancelled:
           self._end(live, "cancelled")
         elif live.expired(now):
           live.finished = True
           live.group._fail(RequestTimeout("the request ran past its timeout"))
-    self._compact(self.planner.moves([live.finished for live in self._slots]))
+    for live in self._running:
+      if live.finished:
+        self._release(live)
+    self._running = [live for live in self._running if not live.finished]
     with self._wakeup:
       for live in [w for w in self._waiting if w.cancelled or w.expired(now)]:
         self._waiting.remove(live)
@@ -281,89 +293,124 @@ class Scheduler:
           live.finished = True
           live.group._fail(RequestTimeout("the request ran past its timeout while waiting"))
 
-  def _compact(self, plan: MovePlan) -> None:
-    """The finished requests' blocks go back; the others take their new rows (with their
-    block tables: nothing is copied on the device)."""
-    for old in plan.freed:
-      self._release(self._slots[old])
-    if plan.freed:
-      self._slots = [self._slots[old] for old in plan.order]
-      for slot, live in enumerate(self._slots):
-        live.slot = slot
-      self._inputs = None
-
   def _admit(self) -> None:
     with self._wakeup:
-      for admission in self.planner.admit(self._waiting, len(self._slots)):
+      for admission in self.planner.admit(self._waiting, len(self._running)):
         live = self._waiting.popleft()
-        live.slot, live.blocks = admission.slot, list(admission.blocks)
-        live.prefilled = admission.cached
+        live.blocks, live.prefilled = list(admission.blocks), admission.cached
         live.group.admitted_at[live.row] = time.perf_counter()
-        self._slots.append(live)
-        self._inputs = None
+        self._running.append(live)
 
   def _release(self, live: _Live) -> None:
     """A request that left: its blocks go back to the pool (once)."""
     self.planner.release(live)
     live.blocks = []
 
-  def _tables(self, rows: list[_Live | None], batch: int) -> np.ndarray:
-    """int32 [batch, W]: each row's block table; idle and padding rows name the scratch block
-    (they write nothing there, or only padding)."""
-    tables = np.full((batch, self.config.table_width), self.config.scratch_block, np.int32)
+  def _tables(self, rows: list[_Live], count: int) -> np.ndarray:
+    """int32 [count, W]: each row's block table; rows past `rows` name the scratch block
+    (they write nothing)."""
+    tables = np.full((count, self.config.table_width), self.config.scratch_block, np.int32)
     for b, live in enumerate(rows):
-      if live is not None:
-        tables[b, :len(live.blocks)] = live.blocks
+      tables[b, :len(live.blocks)] = live.blocks
     return tables
 
   def _run_step(self, plan: StepPlan) -> None:
-    """One engine step (see `StepPlan`); its completed prompts join the decode batch."""
-    group = [self._slots[slot] for slot in plan.slots]
+    """One engine step (see `StepPlan`): its emitting rows' tokens are read back later
+    (`_read_one`); the requests whose prompt it completes decode from the next step on."""
+    group = [self._running[i] for i in plan.requests]
+    fed = all(live.carry[0] == self._steps for live in group[:plan.decodes])
+    if not fed:
+      self._drain()  # a decode row not in the last step: its token comes from the host
+    emitting = set(plan.emitting)
+    rows = [live if b in emitting else None for b, live in enumerate(group)]
+    carry = self._carry
+    if carry is None:
+      carry = np.zeros((self.config.step_rows,), np.int32)
+    # A step of decode rows only, each fed from the carry: its inputs serve the steps after it
+    # while the same requests decode in the same rows (their block tables never change).
+    reusable = plan.decodes == len(group) and fed
+    last = self._decoding
+    reused = reusable and last is not None and last[0] == plan.key and _same(last[1], group)
+    if reused:
+      # The same rows decode again: the staged inputs as the last step left them.
+      sampling = last[2]
+    else:
+      inputs = self._inputs(plan, group)
+      self._load(inputs)
+      sampling = self._sampling(rows, plan.rows) if plan.sample else None
+    carry, emitted, logits, cache, self._staged = self.table.get(plan.key)(
+        self.weights, self.cache.get(), carry, self._staged)
+    self.cache.set(cache)
+    if reusable and not reused:
+      # Staged once for the steps after it, each row fed from its own row of the carry this
+      # step leaves (one token per row: token b is row b's), at the lengths this step leaves.
+      tokens, feed, tables, starts, counts, seq_lens = inputs
+      own = np.where(np.arange(len(feed)) < len(group), np.arange(len(feed)), -1)
+      if not np.array_equal(own, feed):
+        self._load((tokens, own.astype(np.int32), tables, starts, counts,
+                    seq_lens + (counts > 0)))
+      if sampling is not None:
+        sampling = host_io.stage(sampling, self.inputs_at)
+    self._decoding = (plan.key, group, sampling) if reusable else None
+    if plan.sample:
+      # [U]: the emitting rows' tokens drawn at their sequences' lengths.
+      carry, emitted = self.table.get(("draw", plan.rows))(logits, self._staged, sampling,
+                                                           carry)
+    scores = None
+    if plan.scored:
+      scores = self.table.get(("token_logprobs", plan.rows))(logits, carry)
+    self._carry = carry
+    self._steps += 1
+    self.counters["steps"] += 1
+    self.counters["decode_steps"] += plan.decodes > 0
+    self.counters["chunks"] += plan.decodes < len(group)
+    for b in plan.emitting:
+      live = group[b]
+      live.launched += 1
+      live.carry = (self._steps, b)
+    for b in range(plan.decodes, len(group)):
+      group[b].prefilled += plan.counts[b]
+    for b in plan.done:
+      group[b].decoding = True
+    self._reader.push((emitted, scores), (rows, [group[b] for b in plan.done]))
+
+  def prime(self, keys) -> None:
+    """Run the steps among `keys` twice on empty rows on this scheduler's staged buffer
+    (`ExecutableTable.prime`), which the next step then loads afresh. The caller holds the
+    engine's lock (no step runs meanwhile)."""
+    cache, self._staged = self.table.prime(keys, self.weights, self.cache.get(), self._staged)
+    self.cache.set(cache)
+    self._decoding = None  # (the staged buffer no longer holds a decode step's inputs)
+
+  def _load(self, inputs: tuple[np.ndarray, ...]) -> None:
+    """A step's index arrays into the staged buffer (one transfer; the buffer keeps its
+    address)."""
+    layout = self.config.step_layout
+    staged = self._staged if self._staged is not None else np.zeros((layout.size,), np.int32)
+    self._staged = self.table.get(("load",))(staged, layout.pack(*inputs))
+
+  def _inputs(self, plan: StepPlan, group: list[_Live]) -> tuple[np.ndarray, ...]:
+    """A step's host arrays: (tokens [A], feed [A], tables [R, W], query_starts [R + 1],
+    query_lens [R], seq_lens [R]); decode rows feed their token from the carry."""
     tokens = np.zeros((plan.tokens,), np.int32)
+    feed = np.full((plan.tokens,), -1, np.int32)  # where a token comes from the carry
     counts = np.zeros((plan.rows,), np.int32)  # rows past the group take no token
     counts[:len(group)] = plan.counts
     starts = np.zeros((plan.rows + 1,), np.int32)  # where each request's tokens start
     np.cumsum(counts, out=starts[1:])
     seq_lens = np.zeros((plan.rows,), np.int32)
     for b, live in enumerate(group):
-      begin = plan.starts[b]
-      tokens[starts[b]:starts[b + 1]] = live.prompt[begin:begin + counts[b]]
+      begin, at = plan.starts[b], starts[b]
+      if b < plan.decodes:
+        step, row = live.carry
+        if step == self._steps:
+          feed[at] = row
+        else:
+          tokens[at] = live.token
+      else:
+        tokens[at:at + counts[b]] = live.prompt[begin:begin + counts[b]]
       seq_lens[b] = begin + counts[b]
-    tables = self._tables(group, plan.rows)
-    # Host arrays go to the executable as they are: its call copies them to the device (one
-    # jax.device_put per tree costs more host time than the whole transfer).
-    new, logits, cache = self.table.get(plan.key)(self.weights, self.cache.get(), tokens, tables,
-                                                  starts, counts, seq_lens)
-    self.cache.set(cache)
-    self.counters["chunks"] += 1
-    for b, live in enumerate(group):
-      live.prefilled += int(counts[b])
-    if plan.sample:
-      # [rows] int32: each request's new token sits at its sequence's length.
-      new = self.table.get(("first", plan.rows, False))(logits, seq_lens,
-                                                        self._sampling(group, plan.rows))
-    self._join(plan, group, new, logits)
-
-  def _join(self, plan: StepPlan, group: list[_Live], new, logits) -> None:
-    """Requests whose chunk completed their prompt join the decode batch with its token `new`
-    (their full blocks become shareable); the token's scores
-    come from `logits` (both on the device) only for requests that asked for
-    log-probabilities."""
-    tokens = np.asarray(new)
-    done = [(b, live) for b, live in enumerate(group) if plan.slots[b] in plan.done]
-    scores = None
-    if plan.scored:
-      scores = np.asarray(self.table.get(("token_logprobs", len(tokens)))(logits, tokens))
-    done = [(live, int(tokens[b]), None if scores is None else scores[b]) for b, live in done]
-    for live, _, _ in done:
-      live.position, live.decoding = len(live.prompt), True
-      self._inputs = None
-    self._deliver(done)
-    # Their full blocks become shareable once the first tokens are out (hashing them is off the
-    # first token's path); the call that wrote their keys runs before any later call that reads
-    # them.
-    for live, _, _ in done:
-      self.planner.commit(live)
+    return tokens, feed, self._tables(group, plan.rows), starts, counts, seq_lens
 
   def _deliver(self, new: list[tuple[_Live, int, np.ndarray | None]]) -> None:
     """One step's new tokens (with their scores, or None): emitted to their groups (one event
@@ -405,42 +452,6 @@ class Scheduler:
       self.counters["finished"] += 1
       live.group._finish(live.row, reason)
 
-  def _run_decode(self, plan: DecodePlan | None) -> None:
-    """Launch the planned decode step, keeping up to `readback_lag` in flight (a plan that
-    launches nothing reads every step in flight back)."""
-    if plan is None:
-      return
-    if not plan.launch:
-      self._drain()
-      return
-    decoding = set(plan.slots)
-    rows = [live if slot in decoding else None for slot, live in enumerate(self._slots)]
-    if self._inputs is None:
-      tokens = np.zeros((plan.batch,), np.int32)
-      positions = np.full((plan.batch,), -1, np.int32)  # idle rows: no cache write
-      for b, live in enumerate(rows):
-        if live is not None:
-          tokens[b], positions[b] = live.token, live.position
-      # The sampling arrays serve every step of this batch: staged once. Tokens and positions
-      # go as host arrays (the steps' outputs replace them).
-      sampling = (None if plan.greedy
-                  else host_io.stage(self._sampling(rows, plan.batch), self.inputs_at))
-      tables = host_io.stage(self._tables(rows, plan.batch), self.inputs_at)
-      self._inputs = (tokens, positions, tables, sampling)
-    tokens, positions, tables, sampling = self._inputs
-    outputs = self.table.get(plan.key)(self.weights, self.cache.get(), tokens, positions, tables,
-                                       sampling)
-    if plan.scored:
-      tokens, positions, cache, emitted, scores = outputs
-    else:
-      (tokens, positions, cache, emitted), scores = outputs, None
-    self.cache.set(cache)
-    self._inputs = (tokens, positions, tables, sampling)
-    self._reader.push((emitted, scores), rows)
-    self.counters["decode_steps"] += 1
-    if len(self._reader) > self.config.readback_lag:
-      self._read_one()
-
   @staticmethod
   def _sampling(rows: list[_Live | None], batch: int) -> SamplingArrays:
     """Per-row sampling arrays of `batch` rows (None and padding rows: greedy)."""
@@ -457,14 +468,20 @@ class Scheduler:
     return SamplingArrays(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, row=row)
 
   def _read_one(self) -> None:
-    """The oldest step in flight: its tokens go to their requests."""
-    (tokens, scores), rows = self._reader.pop()
-    new = []
-    for b, live in enumerate(rows):
-      if live is not None and not live.finished:
-        live.position += 1
-        new.append((live, int(tokens[b]), None if scores is None else scores[b]))
+    """The oldest step in flight: its tokens go to their requests (a request whose prompt it
+    completed: its full blocks become shareable once its first token is out)."""
+    (tokens, scores), (rows, completed) = self._reader.pop()
+    new = [(live, int(tokens[b]), None if scores is None else scores[b])
+           for b, live in enumerate(rows) if live is not None and not live.finished]
     self._deliver(new)
+    for live in completed:
+      if live.blocks:  # (not released: a request cancelled meanwhile gave them back)
+        self.planner.commit(live)
+
+
+def _same(a: list, b: list) -> bool:
+  """Whether two lists hold the same objects in the same order."""
+  return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class Exclusive:

@@ -1,30 +1,26 @@
 """The scheduler's policy as plans: what one engine iteration runs, decided on the host only.
 
 The engine thread (`cg_jax.core.scheduler`) asks a `Planner` for each phase of an iteration, right
-before it runs it, and executes the plan: a phase's plan depends on the tokens the phase before
-it read back (a first token may be EOS, a readback may finish a request), so an iteration is a
-sequence of plans, not one:
+before it runs it, and executes the plan: a phase's plan depends on the tokens read back before
+it (a token may be EOS, a readback may finish a request), so an iteration is a sequence of
+plans, not one:
 
-  retire   (`MovePlan`)    finished requests give their blocks back (`release`); the occupied
-                           rows stay [0, n): the last running request takes each row freed by a
-                           finished one, from the last row down (its block table moves with it:
-                           no cache bytes move);
-  admit    (`Admission`)   waiting requests, first come first served, take the free rows while
-                           the block pool has blocks for the whole request (prompt and
-                           max_new_tokens); with the prefix cache on, the cached blocks that
-                           start a prompt are shared (`BlockPool.match`) and its cached tokens
-                           count as prefilled;
-  step     (`StepPlan`)    one step over a flat batch of prompt tokens, up to the token budget
-                           (`max_num_batched_tokens`): the next chunks of prompts already started
-                           (a cached prefix, or longer than one step's budget) first, then the
+  admit    (`Admission`)   waiting requests, first come first served, take a place among the
+                           running ones (at most `max_batch`) while the block pool has blocks
+                           for the whole request (prompt and max_new_tokens); with the prefix
+                           cache on, the cached blocks that start a prompt are shared
+                           (`BlockPool.match`) and its cached tokens count as prefilled;
+  step     (`StepPlan`)    one step over a flat batch of tokens, up to the token budget
+                           (`max_num_batched_tokens`): every decoding request's next token
+                           first (a row of one token), then the next chunks of prompts already
+                           started (a cached prefix, or longer than a step's budget), then the
                            first chunks of new prompts, first come first served, each chunk at
                            its cache offset, none padded; the step takes the smallest token
                            bucket that holds them. A completed prompt's full blocks are indexed
-                           for later prompts (`commit`);
-  decode   (`DecodePlan`)  one step over rows [0, bucket), the smallest batch bucket holding
-                           the occupied rows; rows not decoding are idle.
+                           for later prompts (`commit`). Finished requests give their blocks
+                           back (`release`).
 
-Plans are frozen dataclasses of ints and tuples naming rows, blocks and executable keys; the
+Plans are frozen dataclasses of ints and tuples naming requests, blocks and executable keys; the
 planner reads request state (`Scheduled`) and keeps the block pool (`cg_jax.core.block_pool`,
 host bookkeeping) and never touches the device. This module imports nothing from jax (nor from
 `cg_jax`, whose package imports jax), so policy is tested without compiling anything.
@@ -49,12 +45,10 @@ class Scheduled(Protocol):
   max_new_tokens: int
   settings: Any  # its `greedy` says whether the request samples
   logprobs: int | None
-  slot: int | None
   blocks: list[int]  # its block table (empty until admitted)
-  prefilled: int
-  position: int
-  emitted: int
-  decoding: bool
+  prefilled: int  # prompt tokens in the cache, or in a step launched
+  launched: int  # tokens the launched steps emit for it (the first one included)
+  decoding: bool  # its prompt is complete: each step feeds it its last token
   finished: bool
 
 
@@ -63,46 +57,52 @@ class PlanConfig:
   """What the policy depends on.
 
   Args:
-    batch_sizes: the batch buckets (ascending); the cache holds batch_sizes[-1] slots.
-    token_buckets: the token counts of the step executables (ascending); the last is the
-      token budget of a step.
+    max_batch: the most requests running at once (the rows of a step).
+    token_buckets: the token counts of the step executables (ascending); the last is a step's
+      token budget.
     max_seq_len: tokens a request's block table covers at most (prompt and new tokens).
     block_size: tokens per KV-cache block.
     prefix_cache: prompts share the cached blocks that start them.
-    batch_invariant: a step takes one request's chunk of token_buckets[-1] tokens (the one
-      prompt bucket) at multiples of it, and prefix hits are used in whole chunks.
+    batch_invariant: a step takes one request's prompt chunk of `chunk_tokens` tokens at
+      multiples of it (the one prompt bucket) beside the decode rows, in the one token bucket
+      (chunk_tokens + max_batch), and prefix hits are used in whole chunks.
+    chunk_tokens: the most prompt tokens one step takes (None: the token budget).
   """
 
-  batch_sizes: tuple[int, ...]
+  max_batch: int
   token_buckets: tuple[int, ...]
   max_seq_len: int
   block_size: int = 16
   prefix_cache: bool = False
   batch_invariant: bool = False
+  chunk_tokens: int | None = None
 
   @classmethod
   def of(cls, config) -> "PlanConfig":
     """From an `EngineConfig` (or a fake with the same fields)."""
-    return cls(batch_sizes=config.buckets.batch_sizes, token_buckets=config.token_buckets,
+    return cls(max_batch=config.step_rows, token_buckets=config.token_buckets,
                max_seq_len=config.max_seq_len, block_size=config.prefix_block,
-               prefix_cache=config.prefix_blocks > 0, batch_invariant=config.batch_invariant)
-
-  @property
-  def max_batch(self) -> int:
-    return self.batch_sizes[-1]
+               prefix_cache=config.prefix_blocks > 0, batch_invariant=config.batch_invariant,
+               chunk_tokens=config.max_num_batched_tokens)
 
   @property
   def max_tokens(self) -> int:
-    """The token budget of one step."""
+    """The token budget of one step (decode rows and prompt chunks)."""
     return self.token_buckets[-1]
 
-  def batch_bucket(self, batch: int) -> int:
-    """The smallest batch bucket >= batch (1 <= batch <= max_batch)."""
-    return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch)]
+  @property
+  def max_chunk(self) -> int:
+    """The most prompt tokens one step takes."""
+    return self.max_tokens if self.chunk_tokens is None else min(self.chunk_tokens,
+                                                                 self.max_tokens)
 
   def token_bucket(self, tokens: int) -> int:
     """The smallest token bucket >= tokens (1 <= tokens <= max_tokens)."""
     return self.token_buckets[bisect.bisect_left(self.token_buckets, tokens)]
+
+  def rows(self, tokens: int) -> int:
+    """R: the rows of a step of `tokens` tokens (a bucket): min(tokens, max_batch)."""
+    return min(tokens, self.max_batch)
 
   def blocks_needed(self, request: "Scheduled") -> int:
     """Blocks of a request's whole life: its prompt and max_new_tokens, within max_seq_len."""
@@ -111,43 +111,40 @@ class PlanConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MovePlan:
-  """Row compaction: `freed` are the (old) rows of finished requests; `order[i]` is the old row
-  of the request that holds row i afterwards (its block table moves with it)."""
-
-  freed: tuple[int, ...]
-  order: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Admission:
-  """A waiting request let in: its row, its block table and the prompt tokens its shared
-  (cached) blocks already hold."""
+  """A waiting request let in: its block table and the prompt tokens its shared (cached)
+  blocks already hold."""
 
-  slot: int
   blocks: tuple[int, ...]
   cached: int
 
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-  """One engine step: the request of row slots[i] takes counts[i] prompt tokens from its
-  position starts[i], the chunks laid end to end in that order and padded to `tokens` (a token
-  bucket); the step's block tables, logits and tokens have `rows` rows (`step_rows`), the
-  requests' first. `done` are the rows whose prompt this step completes (they join the decode
-  batch with the token it picks); `sample`: one of them samples (its first token is drawn by
-  ("first", rows, False) from the step's logits); `scored`: one of them asks for
-  log-probabilities (("token_logprobs", rows)).
+  """One engine step: row i is the request `running[i]` (`requests[i]` indexes the running
+  list), taking counts[i] tokens from its position starts[i]; the rows' tokens lie end to end
+  in row order, padded to `tokens` (a token bucket); the step's block tables and logits have
+  `rows` rows (`PlanConfig.rows`). The first `decodes` rows are decode rows (one token: the
+  request's last, fed back); the others take prompt chunks. `done` are the rows whose chunk
+  completes their prompt; decode rows and `done` rows emit a token. `sample`: an emitting row
+  samples (its token is drawn by ("draw", rows) from the step's logits); `scored`: an emitting
+  row asks for log-probabilities (("token_logprobs", rows)).
   """
 
   tokens: int
   rows: int
-  slots: tuple[int, ...]
+  requests: tuple[int, ...]
   starts: tuple[int, ...]
   counts: tuple[int, ...]
+  decodes: int
   done: tuple[int, ...]
   sample: bool = False
   scored: bool = False
+
+  @property
+  def emitting(self) -> tuple[int, ...]:
+    """The rows that emit a token, in row order."""
+    return (*range(self.decodes), *self.done)
 
   @property
   def key(self) -> tuple:
@@ -156,26 +153,8 @@ class StepPlan:
   @property
   def keys(self) -> tuple[tuple, ...]:
     """Every executable the step runs, in order."""
-    return (self.key, *([("first", self.rows, False)] if self.sample else []),
+    return (self.key, *([("draw", self.rows)] if self.sample else []),
             *([("token_logprobs", self.rows)] if self.scored else []))
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodePlan:
-  """One decode step over rows [0, batch): `slots` decode, the other rows are idle. `launch`
-  False: the steps in flight already cover every row's budget (read them back, launch
-  nothing). `scored`: a row asks for log-probabilities (the "logprobs" step); `greedy`: no row
-  samples."""
-
-  batch: int
-  slots: tuple[int, ...]
-  greedy: bool
-  scored: bool
-  launch: bool = True
-
-  @property
-  def key(self) -> tuple:
-    return ("logprobs", self.batch) if self.scored else ("decode", self.batch, self.greedy)
 
 
 class Planner:
@@ -189,53 +168,37 @@ class Planner:
   def __init__(self, config: PlanConfig, pool: BlockPool):
     self.config, self.pool = config, pool
 
-  def moves(self, finished: Sequence[bool]) -> MovePlan:
-    """Free the rows whose request finished: from the last row down, the last occupied row
-    moves into each freed one."""
-    # A request not visited yet has not moved: the one at `old` still holds row `old`.
-    order = list(range(len(finished)))  # order[row]: the old row of its request
-    freed = []
-    for old in reversed(range(len(finished))):
-      if not finished[old]:
-        continue
-      freed.append(old)
-      if order[-1] != old:
-        order[old] = order[-1]
-      order.pop()
-    return MovePlan(tuple(freed), tuple(order))
-
   def fits(self, request: Scheduled) -> bool:
     """Whether the request's blocks could ever be had (the whole pool free)."""
     return self.config.blocks_needed(request) <= self.pool.num_blocks
 
-  def admissible(self, waiting: Sequence[Scheduled], occupied: int) -> bool:
-    """Whether `admit` would let the head of the queue in now (a free row and its blocks),
+  def admissible(self, waiting: Sequence[Scheduled], running: int) -> bool:
+    """Whether `admit` would let the head of the queue in now (a free place and its blocks),
     without taking anything."""
-    return bool(waiting) and occupied < self.config.max_batch and self._has_blocks(waiting[0])
+    return bool(waiting) and running < self.config.max_batch and self._has_blocks(waiting[0])
 
   def _has_blocks(self, request: Scheduled) -> bool:
     # Enough: the shared blocks a match takes from the cached ones are among those needed.
     return self.config.blocks_needed(request) <= self.pool.available
 
-  def admit(self, waiting: Sequence[Scheduled], occupied: int) -> tuple[Admission, ...]:
-    """The next waiting requests that the free rows after [0, occupied) and the pool's blocks
-    take, in order; the first that does not get its blocks waits, and so do those behind it.
-    Each takes its blocks here (`release` gives them back)."""
+  def admit(self, waiting: Sequence[Scheduled], running: int) -> tuple[Admission, ...]:
+    """The next waiting requests that the free places beside `running` requests and the pool's
+    blocks take, in order; the first that does not get its blocks waits, and so do those
+    behind it. Each takes its blocks here (`release` gives them back)."""
     c = self.config
     admitted = []
-    for request in itertools.islice(waiting, max(c.max_batch - occupied, 0)):
+    for request in itertools.islice(waiting, max(c.max_batch - running, 0)):
       if not self._has_blocks(request):
         break
       needed = c.blocks_needed(request)
       shared: list[int] = []
       if c.prefix_cache:
         # Batch-invariant engines take whole chunks only: the chunk boundaries of a miss.
-        multiple = c.max_tokens // c.block_size if c.batch_invariant else 1
+        multiple = c.max_chunk // c.block_size if c.batch_invariant else 1
         shared = self.pool.match(request.prompt, multiple)
       fresh = self.pool.allocate(needed - len(shared))
       assert fresh is not None  # (guaranteed by the check above)
-      admitted.append(Admission(occupied + len(admitted), tuple(shared + fresh),
-                                len(shared) * c.block_size))
+      admitted.append(Admission(tuple(shared + fresh), len(shared) * c.block_size))
     return tuple(admitted)
 
   def commit(self, request: Scheduled) -> None:
@@ -248,42 +211,38 @@ class Planner:
     if request.blocks:
       self.pool.release(request.blocks)
 
-  def step(self, slots: Sequence[Scheduled]) -> StepPlan | None:
-    """`slots[i]` holds row i. Started prompts (a cached prefix, or longer than one step) take
-    their next chunks first, then new prompts their first ones, each first come first served
-    (row order), while the token budget lasts; a batch-invariant step takes one request. None:
-    nothing to prefill."""
+  def step(self, running: Sequence[Scheduled]) -> StepPlan | None:
+    """The next step over the `running` requests (admission order): each decoding request that
+    needs a token more than the launched steps give it takes a row of one token, then started
+    prompts (a cached prefix, or longer than one step) take their next chunks, then new prompts
+    their first ones, first come first served, while the token budget lasts; a
+    batch-invariant step takes one prompt's chunk. None: nothing to run."""
     c = self.config
-    pending = [s for s, x in enumerate(slots) if x.prefilled < len(x.prompt) and not x.finished]
-    if not pending:
-      return None
-    # Started prompts first (stable: each kind in row order).
-    pending.sort(key=lambda s: slots[s].prefilled == 0)
-    group, starts, counts, budget = [], [], [], c.max_tokens
-    for s in pending[:1] if c.batch_invariant else pending:
-      if budget == 0:
+    live = [i for i, x in enumerate(running) if not x.finished]
+    decodes = [i for i in live if running[i].decoding
+               and running[i].launched < running[i].max_new_tokens][:c.max_tokens]
+    pending = [i for i in live if running[i].prefilled < len(running[i].prompt)]
+    # Started prompts first (stable: each kind in admission order).
+    pending.sort(key=lambda i: running[i].prefilled == 0)
+    requests = list(decodes)
+    starts = [len(running[i].prompt) + running[i].launched - 1 for i in decodes]
+    counts = [1] * len(decodes)
+    budget = min(c.max_chunk, c.max_tokens - len(decodes))
+    for i in pending[:1] if c.batch_invariant else pending:
+      if budget == 0 or len(requests) == c.max_batch:
         break
-      live = slots[s]
-      take = min(len(live.prompt) - live.prefilled, budget)
-      group.append(s)
-      starts.append(live.prefilled)
+      request = running[i]
+      take = min(len(request.prompt) - request.prefilled, budget)
+      requests.append(i)
+      starts.append(request.prefilled)
       counts.append(take)
       budget -= take
-    done = tuple(s for s, start, count in zip(group, starts, counts)
-                 if start + count == len(slots[s].prompt))
-    return StepPlan(c.token_bucket(sum(counts)), c.max_batch, tuple(group), tuple(starts),
-                    tuple(counts), done, sample=not all(slots[s].settings.greedy for s in group),
-                    scored=any(slots[s].logprobs is not None for s in done))
-
-  def decode(self, slots: Sequence[Scheduled], in_flight: int) -> DecodePlan | None:
-    """The next decode step over the occupied `slots`, or None when no request decodes;
-    `in_flight` steps launched and not read back cover that many tokens of each row: launch
-    only if a row needs more."""
-    rows = tuple(s for s, x in enumerate(slots) if x.decoding and not x.finished)
-    if not rows:
+    if not requests:
       return None
-    # Rows that ask for log-probabilities need the scoring step (with sampling arrays).
-    scored = any(slots[s].logprobs is not None for s in rows)
-    greedy = not scored and all(slots[s].settings.greedy for s in rows)
-    launch = any(slots[s].emitted + in_flight < slots[s].max_new_tokens for s in rows)
-    return DecodePlan(self.config.batch_bucket(len(slots)), rows, greedy, scored, launch)
+    done = tuple(row for row in range(len(decodes), len(requests))
+                 if starts[row] + counts[row] == len(running[requests[row]].prompt))
+    emitting = [running[requests[row]] for row in (*range(len(decodes)), *done)]
+    tokens = c.token_bucket(sum(counts))
+    return StepPlan(tokens, c.rows(tokens), tuple(requests), tuple(starts), tuple(counts),
+                    len(decodes), done, sample=not all(x.settings.greedy for x in emitting),
+                    scored=any(x.logprobs is not None for x in emitting))

@@ -1,15 +1,13 @@
 """The hot path: pure functions over a flat list of weight arrays and a donated KV cache, compiled
 ahead of time per bucket (`cg_jax.core.executables`):
 
+  load(staged[I], packed[I])                                  -> staged[I]
+  step(weights, cache, carry[U], staged[I])
+                                    -> (carry[U], tokens[U], logits[R,V], cache, staged[I])
+  draw(logits[R,V], staged[I], sampling, carry[U])            -> (carry[U], tokens[U])
+  token_logprobs(logits[R,V], tokens[U])       -> scores[R,E]
   prefill(weights, cache, tokens[B,S], lengths[B], tables[B,W])    -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
-  decode(weights, cache, tokens[B], positions[B], tables[B,W], sampling)
-                                              -> (tokens[B], positions[B], cache, emitted[B])
-  decode_scored(weights, cache, tokens[B], positions[B], tables[B,W], sampling)
-                                   -> (tokens[B], positions[B], cache, emitted[B], scores[B,E])
-  step(weights, cache, tokens[A], tables[R,W], query_starts[R+1], query_lens[R], seq_lens[R])
-                                                                -> (tokens[R], logits[R,V], cache)
-  token_logprobs(logits[B,V], tokens[B])                           -> scores[B,E]
   score(weights, tokens[1,S])                                      -> scores[S,E]
 
 The cache is paged: a KVCache of [L, M, C, K, H] arrays (M blocks of C tokens), and row b of a
@@ -17,20 +15,25 @@ call reads and writes the blocks of its block table tables[b] (`cg_jax.core.bloc
 them on the host; position p lives in slot p % C of block tables[b, p // C]). Rows share blocks
 by naming them (a prefix-cache hit), so no step copies keys or values between rows or blocks.
 
-`scores` are `cg_jax.core.sampling.token_scores` of the new tokens (E = 1 + 2 x top log-probabilities),
-computed only for requests that ask for log-probabilities: by `decode_scored` instead of `decode`,
-and by `token_logprobs` from the logits a step returns. A negative position marks
-an idle row of a decode step (a cache slot not decoding): it writes
-nothing, and stays negative.
+A step is the engine's one call per iteration: a flat batch of A tokens (a token bucket) in
+which R requests' tokens lie end to end, each at its own cache offset (`RaggedAttention`):
+decode rows of one token (the request's last token, fed from the previous step's `carry` on the
+device: the host never waits for it) and prompt chunks (the first chunks of new prompts, the
+next chunks of started ones), none padded to a bucket of its own. Each row's token after its
+last query token is picked greedily into the carry; a step with a sampling row draws them from
+its logits with `draw` instead (the sampling path sorts the vocabulary, a cost that greedy steps
+never pay), and `token_logprobs` scores them for the requests that ask (E = 1 + 2 x top
+log-probabilities, `cg_jax.core.sampling.token_scores`). The host reads each step's tokens from
+the second output (written to pinned host memory). A step's index arrays (tokens [A], feed [A],
+tables [R,W], query_starts [R+1], query_lens [R], seq_lens [R]) are slices of the staged buffer
+[I] that `load` overwrites in place (`cg_jax.core.step_inputs`) and each step carries on with
+its next lengths; it and the carry are donated (`draw` overwrites the carry in place), as the
+cache is, so no buffer a step reads moves between calls and the command buffer (CUDA graph)
+each step records stays valid (XLA updates the commands whose buffers moved before it launches
+a graph).
 
-A step is a flat batch of A tokens (a token bucket) in which R requests' prompt chunks lie end
-to end, each at its own cache offset (`RaggedAttention`): the first chunks of new prompts and the
-next chunks of started ones (a cached prefix, or longer than one step) run in one call, none
-padded to a bucket of its own.
-
-`sampling` is a `SamplingArrays` or None (the greedy-only executable). A step picks greedily and
-returns its logits: a step with a sampling row draws its tokens from them with `first_token` (the
-sampling path sorts the vocabulary, a cost that greedy prompts never pay).
+`prefill` and `first_token` are the static path's (whole prompts of a (batch, length) bucket:
+benchmarks' baseline); `score` the log-probabilities of a prompt's own tokens (`echo`).
 Shape letters: the README's table.
 """
 
@@ -41,9 +44,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from cg_jax.core.attention import PagedAttention, RaggedAttention, RealRows
+from cg_jax.core.attention import PagedAttention, RaggedAttention
 from cg_jax.core.config import ForwardConfig
 from cg_jax.core.sampling import SamplingArrays, select_tokens, token_scores
+from cg_jax.core.step_inputs import StepLayout
 from cg_jax.core.weights import SplitModel
 from cg_jax.kernels.ragged_paged_attention import token_positions
 from models.decoder import KVCache
@@ -60,6 +64,8 @@ class StepFunctions:
     paged: the paged attention of the cache-using steps (`cg_jax.core.attention`; its tables
       are each call's own).
     shards: the weights' column groups (the tensor-parallel size).
+    layout: where a step's index arrays lie in the staged buffer; its step_rows is U, the
+      carry's rows.
   """
 
   split: SplitModel
@@ -67,6 +73,11 @@ class StepFunctions:
   attention: Any
   paged: PagedAttention
   shards: int = 1
+  layout: StepLayout = StepLayout((1,), 1, 1)
+
+  @property
+  def carry_rows(self) -> int:
+    return self.layout.step_rows
 
   def _paged(self, tables) -> PagedAttention:
     return dataclasses.replace(self.paged, tables=tables)
@@ -90,85 +101,65 @@ class StepFunctions:
   def first_token(logits, positions, sampling: SamplingArrays | None):
     return select_tokens(logits, positions, sampling)
 
-  def _logits(self, model, tokens, positions, tables, cache: KVCache):
-    """One decode step's logits [B, V] ([P, V] when batch-invariant). With fewer than
-    `min_matmul_rows` rows, the layers run on the rows padded to that many (token 0 at position
-    0): the padding rows never reach the cache or the attention (`RealRows`), and the real rows
-    do not depend on them. Batch-invariant steps pad with idle rows instead (position -1), which
-    the attention takes too, so that the cache's first P rows are the step's rows."""
-    batch = tokens.shape[0]
-    padded = max(batch, self.forward.min_matmul_rows)
-    attention = self._paged(tables)
-    if padded > batch and self.forward.batch_invariant:
-      # [B] -> [P]: the padding rows are idle (position -1: they write and read nothing), so
-      # the attention too runs on P rows in every bucket. [B, W] -> [P, W]
-      tokens, positions = _pad_rows(tokens, padded), _pad_rows(positions, padded, -1)
-      attention = self._paged(jnp.pad(tables, ((0, padded - batch), (0, 0))))
-    elif padded > batch:
-      # [B] -> [P]
-      tokens, positions = (jnp.pad(x, (0, padded - batch)) for x in (tokens, positions))
-      attention = RealRows(attention, batch)
-    hidden, cache = model.decode_hidden(tokens, positions, cache, attention=attention,
-                                        layer_loop=self.forward.layer_loop, shards=self.shards)
-    if self.forward.batch_invariant:
-      # [P, V]: the token choice runs on the padded rows too (the same shapes in every bucket).
-      return model.unembed(hidden), cache
-    return model.unembed(hidden[:batch]), cache
-
-  def _next(self, weights, cache: KVCache, tokens, positions, tables, sampling, scored: bool):
-    """(next tokens [B], their scores [B, E] or None, next positions [B], cache) of one decode
-    step."""
-    batch = tokens.shape[0]
-    logits, cache = self._logits(self.split.merge(weights), tokens, positions, tables, cache)
-    next_positions = jnp.where(positions < 0, positions, positions + 1)
+  def draw(self, logits, staged, sampling: SamplingArrays, carry):
+    """The tokens of a step with a sampling row: drawn from its logits [R, V], row r's at
+    position seq_lens[r] - 1 (the lengths the step left in the staged buffer [I]: its next;
+    greedy rows pick the greedy token), padded to the carry's rows like `step`'s. The step's
+    carry [U] is donated and overwritten: the next step reads the same buffer."""
+    del carry  # (its buffer holds the result)
     rows = logits.shape[0]
-    # [B] -> [P] when the logits cover the padded rows (padding rows: greedy, position 0)
-    picked = select_tokens(logits, _pad_rows(next_positions, rows),
-                           _pad_sampling(sampling, rows))
-    scores = token_scores(logits, picked)[:batch] if scored else None
-    return picked[:batch], scores, next_positions, cache
-
-  def decode(self, weights, cache: KVCache, tokens, positions, tables,
-             sampling: SamplingArrays | None):
-    next_tokens, _, next_positions, cache = self._next(weights, cache, tokens, positions, tables,
-                                                       sampling, scored=False)
-    # `emitted` is the copy the host reads (the executables write it to host memory):
-    # `next_tokens` is donated into the following step. It comes after the donated state, so
-    # that each donated input's buffer is reused by the output of its own kind.
-    return next_tokens, next_positions, cache, next_tokens
-
-  def decode_scored(self, weights, cache: KVCache, tokens, positions, tables,
-                    sampling: SamplingArrays):
-    """`decode`, with the new tokens' scores."""
-    next_tokens, scores, next_positions, cache = self._next(weights, cache, tokens, positions,
-                                                            tables, sampling, scored=True)
-    return next_tokens, next_positions, cache, next_tokens, scores
+    tokens = select_tokens(logits, staged[:rows] - 1, sampling)
+    tokens = _pad_rows(tokens, self.carry_rows)
+    return tokens, tokens
 
   @staticmethod
   def token_logprobs(logits, tokens):
-    return token_scores(logits, tokens)
+    """scores [R, E] of tokens[:R] (tokens [U] when they are a step's carry)."""
+    return token_scores(logits, tokens[:logits.shape[0]])
 
-  def step(self, weights, cache: KVCache, tokens, tables, query_starts, query_lens, seq_lens):
-    """One engine step: request r's query_lens[r] tokens of tokens [A] start at query_starts[r]
-    (int32 [R + 1], packed: query_starts[r + 1] = query_starts[r] + query_lens[r]) and go to the
-    blocks tables[r] at positions seq_lens[r] - query_lens[r] .. seq_lens[r] - 1 (the keys
-    before are in the cache already); tokens past query_starts[R] are padding, and a request
-    with no token writes nothing. Returns each request's greedy token after its last query
-    token [R] (meaningful when the step ends its prompt), the logits it was picked from and
-    the cache."""
+  @staticmethod
+  def load(staged, packed):
+    """The staged buffer, overwritten with `packed` (both [I]; `staged` is donated)."""
+    del staged  # (its buffer holds the result)
+    return packed
+
+  def step(self, size: int, weights, cache: KVCache, carry, staged):
+    """One engine step of A = `size` tokens (a token bucket: static) over the index arrays that
+    the staged buffer [I] holds for it (`StepLayout.split`). Request r's query_lens[r] tokens
+    of tokens [A] start at query_starts[r] (int32 [R + 1], packed: query_starts[r + 1] =
+    query_starts[r] + query_lens[r]) and go to the blocks tables[r] at positions
+    seq_lens[r] - query_lens[r] .. seq_lens[r] - 1 (the keys before are in the cache already);
+    tokens past query_starts[R] are padding, and a request with no token writes nothing.
+    Token i is carry[feed[i]] where feed[i] >= 0 (a decode row's last token, picked by the
+    step before: carry [U] is its output), else tokens[i].
+    Returns (each request's greedy token after its last query token, padded to [U]: the next
+    step's carry; the same tokens for the host; the logits [R, V] they were picked from; the
+    cache; the staged buffer with seq_lens one longer in each row that took a token: the next
+    decode step's, when the same rows decode again)."""
     model = self.split.merge(weights)
-    size = tokens.shape[0]
+    rows = self.layout.rows(size)
+    tokens, feed, tables, query_starts, query_lens, seq_lens = self.layout.split(staged, size)
+    # [A]: the fed tokens from the device, the others from the host
+    tokens = jnp.where(feed >= 0, carry[jnp.clip(feed, 0, carry.shape[0] - 1)], tokens)
     # [A]: each token's position (-1: padding)
     _, real, position = token_positions(query_starts, query_lens, seq_lens, size)
     positions = jnp.where(real, position, -1)
-    attention = RaggedAttention(self._paged(tables), query_starts, query_lens, seq_lens)
+    # Buckets of at most one token per row hold decode rows only: the kernel's small tiles;
+    # larger buckets carry prompt chunks: its prefill tiles.
+    paged = self._paged(tables)
+    config = paged.config if size <= rows else paged.prefill_config
+    attention = RaggedAttention(paged, query_starts, query_lens, seq_lens, config)
     hidden, cache = model.extend_hidden(tokens[None], positions[None], None, cache,
                                         attention=attention, layer_loop=self.forward.layer_loop,
                                         shards=self.shards)
     # [R, D]: each request's last query token
     last = jnp.clip(query_starts[:-1] + query_lens - 1, 0, size - 1)
     logits = self._head(model, hidden[0, last])
-    return select_tokens(logits, seq_lens, None), logits, cache
+    picked = _pad_rows(select_tokens(logits, seq_lens, None), self.carry_rows)
+    # [I]: the lengths after one more token per row that took one, then the rest as it was (the
+    # output aliases the donated input)
+    staged = jnp.concatenate([seq_lens + (query_lens > 0), staged[rows:]])
+    return picked, picked, logits, cache, staged
 
   def score(self, weights, tokens):
     """Row i of the result scores token i + 1 of tokens [1, S] given the tokens before it (the
@@ -185,13 +176,3 @@ class StepFunctions:
 def _pad_rows(x, rows: int, value=0):
   """[B] -> [rows] (B <= rows), padded with `value`."""
   return x if x.shape[0] == rows else jnp.pad(x, (0, rows - x.shape[0]), constant_values=value)
-
-
-def _pad_sampling(sampling: SamplingArrays | None, rows: int) -> SamplingArrays | None:
-  """Sampling arrays for `rows` rows; the padding rows are greedy."""
-  if sampling is None:
-    return None
-  return SamplingArrays(temperature=_pad_rows(sampling.temperature, rows),
-                        top_k=_pad_rows(sampling.top_k, rows),
-                        top_p=_pad_rows(sampling.top_p, rows, 1.0),
-                        seed=_pad_rows(sampling.seed, rows), row=_pad_rows(sampling.row, rows))

@@ -9,7 +9,7 @@ Rules:
     validation errors included). An unknown model is a 404, a full queue (`QueueFull`) a 429, a
     closed engine a 503, a request past its `request_timeout` a 504.
   * The event loop never blocks on the engine: tokens arrive through the handles' `async for`.
-  * A client that disconnects cancels its requests, which frees their slots.
+  * A client that disconnects cancels its requests, which frees their KV blocks.
   * `serve` binds its socket before anything compiles (a busy port fails at once,
     `ListenError`). The app's lifespan starts the engine's warm-up (`Warmup`: log-probabilities'
     executables included, so nothing compiles on the request path) in a thread while the server

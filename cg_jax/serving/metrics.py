@@ -25,14 +25,13 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 
 
 class EngineGauges:
-  """Gauges read from `engine.stats()` at each scrape: queue depth, running requests, slot
-  occupancy, compiles since warm-up and every numeric `kv_block*` (the paged cache's blocks)
-  and `prefix_cache_*` entry."""
+  """Gauges read from `engine.stats()` at each scrape: queue depth, running requests, compiles
+  since warm-up and every numeric `kv_block*` (the paged cache's blocks: its use) and
+  `prefix_cache_*` entry."""
 
   GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
       "waiting": ("cg_jax_requests_waiting", "requests in the engine's waiting queue"),
-      "running": ("cg_jax_requests_running", "requests holding a KV-cache slot"),
-      "slot_occupancy": ("cg_jax_slot_occupancy", "share of the KV-cache slots in use"),
+      "running": ("cg_jax_requests_running", "requests running (each holds its KV blocks)"),
       "compiles_since_warmup": ("cg_jax_compiles_since_warmup",
                                 "XLA compilations after warm-up (0 when serving)")}
 
