@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens one engine step takes at most (the step executables' "
                         "largest token bucket); None = 2048 on a GPU, 256 elsewhere")
   srv.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests that may wait for a slot; more are answered 429")
+                   help="requests that may wait to run; more are answered 429")
   srv.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take (past it: 504); None = no limit")
   srv.add_argument("--api-servers", type=int, default=1,

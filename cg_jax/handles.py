@@ -48,7 +48,7 @@ class Group:
     self.finish_reasons: list[str | None] = [None] * rows
     self.error: BaseException | None = None
     self.submitted_at = time.perf_counter()
-    self.admitted_at: list[float | None] = [None] * rows  # each row's start (a slot)
+    self.admitted_at: list[float | None] = [None] * rows  # each row's admission (it starts running)
     self.first_token_at: float | None = None  # the group's first token, any row
     self.row_first_token_at: list[float | None] = [None] * rows  # each row's first token
     self.finished_at: float | None = None
@@ -178,7 +178,7 @@ class Completion:
 
 class Handle:
   """A submitted request. `result()` waits for it; iterating it (or `async for`) streams its
-  tokens as `Delta`s; `cancel()` (or dropping the handle) frees its slot at the next step."""
+  tokens as `Delta`s; `cancel()` (or dropping the handle) frees its KV blocks at the next step."""
 
   def __init__(self, group: Group, tokenizer, stop: tuple[str, ...], logprobs: int | None = None):
     self._group, self._tokenizer, self._stop, self._top = group, tokenizer, stop, logprobs
@@ -247,7 +247,7 @@ class Handle:
 
 
 def request_stats(group: Group, row: int) -> dict[str, Any]:
-  """Per-request timings in seconds: queue (submit to slot), ttft, per output token, total."""
+  """Per-request timings in seconds: queue (submit to admission), ttft, per output token, total."""
   tokens = len(group.tokens[row])
   first, end = group.first_token_at, group.finished_at
   admitted = group.admitted_at[row]
