@@ -675,8 +675,9 @@ def run_throughput(setup: Setup) -> list[rows.Row]:
   figures = throughput.figures([o.created_time for o in outputs],
                                [o.timestamps[0] for o in outputs],
                                [o.timestamps[-1] for o in outputs], made)
+  # One call over all prompts: the workload of cg_jax's offline client (`--client generate`).
   workload = throughput.workload(count, lengths, output_len, per_s, args.seed,
-                                 str(setup.dtype).removeprefix("torch."))
+                                 str(setup.dtype).removeprefix("torch."), "generate")
   return [_row(setup, workload, figures)]
 
 

@@ -147,7 +147,8 @@ def test_hf_continuous_serves_the_benchs_requests(checkpoints, tmp_path, monkeyp
   assert sent == [unmeasured, prompts]
   (row,) = rows.read([str(output)])
   assert row.system == "hf_continuous"
-  assert row.workload == throughput.workload(5, (4, 20), 6, float("inf"), 0, "float32")
+  assert row.workload == throughput.workload(5, (4, 20), 6, float("inf"), 0, "float32",
+                                             "generate")
   assert row.figures["output_tokens"] == 30 and row.figures["tokens_per_s"] > 0
   assert row.figures["ttft_ms_p50"] <= row.figures["e2e_ms_p50"]
 
