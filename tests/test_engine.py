@@ -273,7 +273,8 @@ def test_priming_runs_each_step_twice_and_writes_no_block(engine):
     compiles = compile_stats.compile_count()
     table.get = counting
     try:
-      cache, _ = table.prime(keys, table.steps.split.weights, cache)
+      cache, _ = table.prime(keys, table.steps.split.weights, cache,
+                             np.zeros((engine.config.step_layout.size,), np.int32))
     finally:
       del table.get
     # every block but the scratch one (the last)

@@ -294,17 +294,15 @@ class ExecutableTable:
     return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
 
   def prime(self, keys: Sequence[tuple], weights: list, cache: KVCache,
-            staged=None) -> tuple[KVCache, Any]:
+            staged) -> tuple[KVCache, Any]:
     """Run the "load", "step" and "draw" executables among `keys` twice each on inputs that write
     nothing (every row empty, block tables naming the scratch block, greedy rows): XLA runs an
     executable's first call kernel by kernel and records its command buffer (CUDA graph) on
-    the second, so the first requests pay for neither. `staged`: the staged buffer to run on
-    (None: a new one), so that the graphs record the buffer the requests' steps will read.
+    the second, so the first requests pay for neither. `staged`: the staged buffer [I] to run
+    on, the one the requests' steps will read, so that the graphs record its address.
     Returns (the cache, the staged buffer): both donated to each step."""
     c = self.config
     i32 = lambda shape, value=0: np.full(shape, value, np.int32)  # noqa: E731
-    if staged is None:
-      staged = i32((c.step_layout.size,))
     primed = set()
     for key in keys:
       if key[0] != "step":

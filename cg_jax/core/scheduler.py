@@ -378,16 +378,22 @@ class Scheduler:
     """Run the steps among `keys` twice on empty rows on this scheduler's staged buffer
     (`ExecutableTable.prime`), which the next step then loads afresh. The caller holds the
     engine's lock (no step runs meanwhile)."""
-    cache, self._staged = self.table.prime(keys, self.weights, self.cache.get(), self._staged)
+    cache, self._staged = self.table.prime(keys, self.weights, self.cache.get(),
+                                           self._staged_buffer())
     self.cache.set(cache)
     self._decoding = None  # (the staged buffer no longer holds a decode step's inputs)
 
   def _load(self, inputs: tuple[np.ndarray, ...]) -> None:
     """A step's index arrays into the staged buffer (one transfer; the buffer keeps its
     address)."""
-    layout = self.config.step_layout
-    staged = self._staged if self._staged is not None else np.zeros((layout.size,), np.int32)
-    self._staged = self.table.get(("load",))(staged, layout.pack(*inputs))
+    packed = self.config.step_layout.pack(*inputs)
+    self._staged = self.table.get(("load",))(self._staged_buffer(), packed)
+
+  def _staged_buffer(self):
+    """The staged buffer [I], or a new one before the first step (and after a failure)."""
+    if self._staged is None:
+      return np.zeros((self.config.step_layout.size,), np.int32)
+    return self._staged
 
   def _inputs(self, plan: StepPlan, group: list[_Live]) -> tuple[np.ndarray, ...]:
     """A step's host arrays: (tokens [A], feed [A], tables [R, W], query_starts [R + 1],
