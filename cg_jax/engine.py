@@ -35,7 +35,7 @@ from cg_jax.core.sharding import TensorParallel
 from cg_jax.core.steps import StepFunctions
 from cg_jax.core.weights import canonical, place, random_weights
 from cg_jax.generation import GenerationResult, RowText, StreamChunk, final_text
-from cg_jax.handles import Group, Handle
+from cg_jax.handles import Group, Handle, row_per_token
 from cg_jax.hub import resolve_model
 from cg_jax.sampling_params import SamplingParams, check_logprobs
 from models import hf
@@ -356,8 +356,9 @@ class Engine:
       (when a tokenizer exists) and `.stats`, times in seconds from this call's start (after
       validation): ttft_s (the batch's first token, any row), ttft_s_rows (each row's first
       token, in row order), ttft_s_last (the last row's to get one: their max), total_s,
-      new_tokens, per_token_s (after the first token, per token of the longest row),
-      tokens_per_s, greedy, readback_lag.
+      new_tokens, per_token_s_rows (each row's time per token after its own first token:
+      `cg_jax.handles.row_per_token`), per_token_s (their median over the rows that made more
+      than one token), tokens_per_s, greedy, readback_lag.
     Raises:
       `ParamError` (a ValueError; a TypeError too for a wrong type) for a bad sampling value,
       ValueError / TypeError for bad prompts; nothing runs.
@@ -471,10 +472,13 @@ class Engine:
     first = group.first_token_at or end
     rows = [(at or end) - start for at in group.row_first_token_at]
     total = sum(len(t) for t in group.tokens)
-    steps = max(max((len(t) for t in group.tokens), default=1) - 1, 1)
+    per_token = [row_per_token(group, row) or 0.0 for row in range(len(group.tokens))]
+    # The rows that made more than one token (every row when none did)
+    timed = [t for t, made in zip(per_token, group.tokens) if len(made) > 1] or per_token
     return dict(ttft_s=first - start, ttft_s_rows=rows, ttft_s_last=max(rows),
-                total_s=end - start, new_tokens=total,
-                per_token_s=(end - first) / steps, tokens_per_s=total / max(end - start, 1e-9),
+                total_s=end - start, new_tokens=total, per_token_s_rows=per_token,
+                per_token_s=float(np.median(timed)),
+                tokens_per_s=total / max(end - start, 1e-9),
                 greedy=request.settings.greedy,
                 readback_lag=self.config.readback_lag)
 

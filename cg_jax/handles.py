@@ -51,6 +51,7 @@ class Group:
     self.admitted_at: list[float | None] = [None] * rows  # each row's admission (it starts running)
     self.first_token_at: float | None = None  # the group's first token, any row
     self.row_first_token_at: list[float | None] = [None] * rows  # each row's first token
+    self.row_finished_at: list[float | None] = [None] * rows  # each row's end
     self.finished_at: float | None = None
     self._open = rows
     self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
@@ -73,6 +74,7 @@ class Group:
   def _finish(self, row: int, reason: str) -> None:
     if self._done.is_set():
       return
+    self.row_finished_at[row] = time.perf_counter()
     self.finish_reasons[row] = reason
     self._open -= 1
     if self._open == 0:
@@ -246,17 +248,29 @@ class Handle:
     return Delta(token, shown, logprob, top)
 
 
+def row_per_token(group: Group, row: int) -> float | None:
+  """A row's time per output token after its own first token (vLLM's TPOT: from that row's
+  first token to its end, over its tokens after the first), in seconds; None before it ends.
+  Other rows' prompts that run meanwhile count (they share its steps); the time before its
+  first token does not."""
+  first = group.row_first_token_at[row]
+  end = group.row_finished_at[row] or group.finished_at
+  if first is None or end is None:
+    return None
+  return (end - first) / max(len(group.tokens[row]) - 1, 1)
+
+
 def request_stats(group: Group, row: int) -> dict[str, Any]:
-  """Per-request timings in seconds: queue (submit to admission), ttft, per output token, total."""
-  tokens = len(group.tokens[row])
-  first, end = group.first_token_at, group.finished_at
+  """Per-request timings in seconds: queue (submit to admission), ttft, per output token
+  (`row_per_token`), total."""
+  first, end = group.row_first_token_at[row], group.row_finished_at[row] or group.finished_at
   admitted = group.admitted_at[row]
   return {
       "queue_s": None if admitted is None else admitted - group.submitted_at,
       "ttft_s": None if first is None else first - group.submitted_at,
-      "per_token_s": None if first is None or end is None else (end - first) / max(tokens - 1, 1),
+      "per_token_s": row_per_token(group, row),
       "total_s": None if end is None else end - group.submitted_at,
-      "new_tokens": tokens,
+      "new_tokens": len(group.tokens[row]),
   }
 
 

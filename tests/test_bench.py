@@ -119,6 +119,7 @@ def test_throughput_offline_client_is_one_generate_call(capsys, tmp_path, monkey
   f = row.figures
   assert f["output_tokens"] == 6 * 5
   assert f["tokens_per_s"] == pytest.approx(f["requests_per_s"] * 5)
+  assert 0 < f["ttft_ms_p50"] <= f["ttft_ms_p99"] and 0 < f["tpot_ms_p50"] <= f["tpot_ms_p99"]
 
 
 def test_startup_engine_cold_then_warm(capsys, tmp_path):

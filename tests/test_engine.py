@@ -383,6 +383,12 @@ def test_every_row_has_its_time_to_first_token(engine):
   assert min(rows) == stats["ttft_s"] and stats["ttft_s_last"] == max(rows)
   assert all(stats["ttft_s"] <= t <= stats["total_s"] for t in rows)
   assert rows[2] > stats["ttft_s"] == rows[0] == rows[1]
+  # Per token from each row's own first token (the late row's wait is not in it), then the
+  # median over rows.
+  per_token = stats["per_token_s_rows"]
+  assert len(per_token) == 3 and all(t > 0 for t in per_token)
+  assert per_token[2] * 4 <= stats["total_s"] - rows[2] + 1e-9
+  assert stats["per_token_s"] == sorted(per_token)[1]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ over the requests of `ttft_ms` (submit to first token), `tpot_ms` ((finish - fir
 
 `--client generate` (offline, `--rate inf` only) sends the prompts as one
 `Engine.generate(prompts, output_len, eos_token_id=[])` call instead, as an offline user (and
-HF's `generate_batch`, vLLM's `LLM.generate`) does: no consumer threads, no per-request times,
-so the figures are `tokens_per_s`, `requests_per_s` and `output_tokens` over the call's wall time.
+HF's `generate_batch`, vLLM's `LLM.generate`) does: no consumer threads; `tokens_per_s`,
+`requests_per_s` and `output_tokens` over the call's wall time, `ttft_ms` (call to each row's
+first token) and `tpot_ms` from the call's per-row stats (no `e2e_ms`).
 A thread per request costs host time in this process (every step wakes each request's thread,
 which takes the interpreter lock from the engine loop): the two clients bound what a user of
 `submit` and of `generate` gets.
@@ -203,7 +204,7 @@ def _measure(args, engine: Engine, count: int, lengths: tuple[int, int], output_
 def _generate(engine: Engine, prompts: list[list[int]], unmeasured: list[list[int]],
               output_len: int) -> dict[str, float]:
   """The offline client's figures: one `generate` call over all prompts, after an unmeasured
-  one over the other prompts of the same lengths."""
+  one over the other prompts of the same lengths; TTFT and TPOT per row from its stats."""
   engine.generate(unmeasured, output_len, eos_token_id=[])
   start = time.perf_counter()
   result = engine.generate(prompts, output_len, eos_token_id=[])
@@ -211,5 +212,8 @@ def _generate(engine: Engine, prompts: list[list[int]], unmeasured: list[list[in
   made = [len(tokens) for tokens in result]
   if made != [output_len] * len(prompts):
     raise RuntimeError(f"generate made {made} tokens, not --output-len {output_len} each")
+  stats = result.stats
   return {"tokens_per_s": sum(made) / wall, "requests_per_s": len(prompts) / wall,
-          "output_tokens": sum(made)}
+          "output_tokens": sum(made),
+          **rows.percentiles("ttft_ms", [t * 1e3 for t in stats["ttft_s_rows"]]),
+          **rows.percentiles("tpot_ms", [t * 1e3 for t in stats["per_token_s_rows"]])}
