@@ -65,10 +65,12 @@ GENERATE_FLAGS = {
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
     "top_p": "--top-p", "seed": "--seed", "max_seq_len": "--max-seq-len",
     "tensor_parallel": "--tensor-parallel", "batch_buckets": "--batch-buckets",
-    "batch_sizes": "--batch-buckets", "stop": "--stop", "batch_invariant": "--batch-invariant"}
+    "batch_sizes": "--batch-buckets", "stop": "--stop", "batch_invariant": "--batch-invariant",
+    "max_num_seqs": "--max-num-seqs"}
 SERVE_FLAGS = {
     "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
     "batch_buckets": "--batch-buckets", "batch_sizes": "--batch-buckets",
+    "max_num_seqs": "--max-num-seqs",
     "prompt_buckets": "--prompt-buckets", "max_waiting": "--max-waiting",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "request_timeout": "--request-timeout", "batch_invariant": "--batch-invariant"}
@@ -78,6 +80,7 @@ PROFILE_FLAGS = {
 BENCH_FLAGS = {
     "max_seq_len": "--max-seq-len", "batch_buckets": "--batch-buckets",
     "batch_sizes": "--batch-buckets", "prompt_buckets": "--prompt-buckets",
+    "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens", "max_new_tokens": "--output-len"}
 # `bench` subcommand -> its module (`add_arguments(parser)`, `run(args) -> list[Row]`).
 BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "serve": bench_serve,
@@ -91,13 +94,19 @@ def _int_list(text: str) -> list[int]:
     raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
-def _engine_flags(parser: argparse.ArgumentParser, batches: str) -> None:
-  """The engine options `generate` and `serve` share; `batches` ends --batch-buckets' help."""
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+  """The engine options `generate` and `serve` share."""
   parser.add_argument("--dtype", default=None, choices=_DTYPES,
                       help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
                            "elsewhere)")
-  parser.add_argument("--batch-buckets", type=_int_list, default=list(DEFAULT_BATCH_BUCKETS),
-                      help=f"batch sizes to compile, comma separated; {batches}")
+  parser.add_argument("--max-num-seqs", type=int, default=None,
+                      help="the most requests running at once (more wait); None = the largest "
+                           "--batch-buckets")
+  parser.add_argument("--batch-buckets", type=_int_list, default=None,
+                      help="batch sizes of the static prefill executables, comma separated, "
+                           "none above --max-num-seqs; None = "
+                           f"{', '.join(map(str, DEFAULT_BATCH_BUCKETS))} (those up to "
+                           "--max-num-seqs)")
   parser.add_argument("--max-seq-len", type=int, default=None,
                       help="KV cache length (prompt + new tokens); None = min(model context, "
                            "2048)")
@@ -110,8 +119,9 @@ def _engine_flags(parser: argparse.ArgumentParser, batches: str) -> None:
 
 def _engine_options(args) -> dict:
   """The engine keywords of `_engine_flags` (dtype only when given: None is the default)."""
-  options = dict(batch_buckets=args.batch_buckets, max_seq_len=args.max_seq_len,
-                 tensor_parallel=args.tensor_parallel, batch_invariant=args.batch_invariant)
+  options = dict(batch_buckets=args.batch_buckets, max_num_seqs=args.max_num_seqs,
+                 max_seq_len=args.max_seq_len, tensor_parallel=args.tensor_parallel,
+                 batch_invariant=args.batch_invariant)
   if args.dtype is not None:
     options["dtype"] = args.dtype
   return options
@@ -140,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--stop", action="append", metavar="TEXT",
                    help="finish a row when its text contains TEXT, cut before it (repeatable); "
                         "needs a tokenizer")
-  _engine_flags(gen, "a larger batch runs in parts")
+  _engine_flags(gen)
   output = gen.add_mutually_exclusive_group()
   output.add_argument("--stream", action="store_true",
                       help="print the text (or token ids) as it is produced; one prompt only")
@@ -153,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name clients pass as `model`; None = --model as given")
   srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
   srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
-  _engine_flags(srv, "the largest is the number of requests decoded together")
+  _engine_flags(srv)
   srv.add_argument("--prompt-buckets", type=_int_list, default=None,
                    help="prompt lengths of the scoring executables (echo with logprobs), comma "
                         "separated; None = powers of two from 16 below --max-seq-len")

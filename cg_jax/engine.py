@@ -73,8 +73,8 @@ class Engine:
     tokenizer: a `tokenizers.Tokenizer` for text prompts and stop strings, or None.
     engine_config: a whole `EngineConfig` tree; or else
     **options: its keyword options, with the platform's defaults for those left out (see
-      `EngineConfig.create` and `ForwardConfig.create`): max_seq_len, batch_buckets,
-      prompt_buckets, graphs, readback_lag, prefill_gemm, tensor_parallel, batch_invariant,
+      `EngineConfig.create` and `ForwardConfig.create`): max_seq_len, max_num_seqs,
+      max_num_batched_tokens, batch_buckets, prompt_buckets, graphs, readback_lag, prefill_gemm, tensor_parallel, batch_invariant,
       prefix_cache_tokens, prefix_block, kv_blocks, gpu_memory_utilization, compiler_options,
       attention, layer_loop, min_matmul_rows, prefill_attention (a `FlashAttentionConfig`).
       With gpu_memory_utilization (as vLLM's, e.g. 0.9) the KV blocks fill that share of the
@@ -230,11 +230,11 @@ class Engine:
     if limit is not None and kv + weights > limit:
       gib = 2**30
       raise ValueError(
-          f"the KV cache for max batch {engine.buckets.max_batch} x max_seq_len "
+          f"the KV cache for max_num_seqs {engine.max_num_seqs} x max_seq_len "
           f"{engine.max_seq_len} (and a prefix cache of {engine.prefix_cache_tokens} tokens) "
           f"needs {kv} bytes ({kv / gib:.2f} GiB) and the weights "
           f"{weights} bytes ({weights / gib:.2f} GiB), more than the {limit} bytes "
-          f"({limit / gib:.2f} GiB) of device memory; lower max_seq_len, batch_buckets or "
+          f"({limit / gib:.2f} GiB) of device memory; lower max_seq_len, max_num_seqs or "
           f"prefix_cache_tokens")
 
   # ------------------------------------------------------------------------------------------------

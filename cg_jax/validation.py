@@ -53,7 +53,7 @@ FOREIGN_NAMES = {
     "use_cache": "not needed: the KV cache is always used",
     "torch_dtype": "use dtype",
     "device_map": "use tensor_parallel (devices to split the model over)",
-    "max_batch_size": "use batch_buckets",
+    "max_batch_size": "use max_num_seqs",
     "max_model_len": "use max_seq_len",
     "device_loop": "removed: it was slower than the pipelined host loop (each decode step is "
                    "one CUDA graph launched ahead; benchmarks/results/device_loop_h200.md)",

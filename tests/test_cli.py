@@ -431,6 +431,10 @@ def test_profile_lengths_follow_the_model_context(tmp_path):
      "--max-seq-len must be an int in [2, 512], got 4000"),
     (["--prompt-ids", "1", "--batch-buckets", "2,1"],
      "--batch-buckets must be strictly ascending, got (2, 1)"),
+    (["--prompt-ids", "1", "--max-num-seqs", "0"],
+     "--max-num-seqs must be an int in [1, 4096], got 0"),
+    (["--prompt-ids", "1", "--max-num-seqs", "2", "--batch-buckets", "1,4"],
+     "the largest batch bucket (4) must be <= --max-num-seqs (2), the requests that run at once"),
 ])
 def test_cli_errors_name_the_flags(capsys, flags, message):
   assert cli.main(["generate", "--model", "tiny-gpt2", *flags]) == 2
@@ -457,6 +461,15 @@ def test_generate_dtype_defaults_to_auto(monkeypatch):
     with pytest.raises(_Built):
       cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "1", *flags])
   assert calls[0].get("dtype") is None and calls[1]["dtype"] == "bfloat16"
+
+
+def test_max_num_seqs_flag_reaches_the_engine(monkeypatch):
+  calls = _stop_at_build(monkeypatch)
+  for flags in ([], ["--max-num-seqs", "256"]):
+    with pytest.raises(_Built):
+      cli.main(["generate", "--model", "tiny-gpt2", "--prompt-ids", "1", *flags])
+  assert calls[0]["max_num_seqs"] is None and calls[0]["batch_buckets"] is None
+  assert calls[1]["max_num_seqs"] == 256
 
 
 def test_profile_defaults_are_generates(monkeypatch):

@@ -545,6 +545,10 @@ def test_kv_blocks_given_and_their_errors():
      r"max_num_batched_tokens must be an int in \[1, 65536\], got 0"),
     (dict(max_num_batched_tokens=512, batch_invariant=True),
      r"max_num_batched_tokens must equal the prompt bucket \(256\), got 512"),
+    (dict(max_num_seqs=0), r"max_num_seqs must be an int in \[1, 4096\], got 0"),
+    (dict(max_num_seqs=8.0), r"max_num_seqs must be an int in \[1, 4096\], got 8.0"),
+    (dict(max_num_seqs=4, batch_buckets=(1, 8)),
+     r"the largest batch bucket \(8\) must be <= max_num_seqs \(4\)"),
 ])
 def test_bad_engine_options(options, match):
   with pytest.raises(ValueError, match=match):
@@ -562,6 +566,37 @@ def test_padded_matmul_rows_give_the_same_tokens(engine):
   padded = engine.with_options(min_matmul_rows=16)
   assert padded.stats()["min_matmul_rows"] == 16
   assert padded.generate(prompts, max_new_tokens=12, eos_token_id=[]) == expected
+
+
+def test_max_num_seqs_sizes_the_running_requests_and_their_cache():
+  model = preset("tiny-gpt2")
+  default = EngineConfig.create(model, max_seq_len=64)
+  assert default.max_num_seqs == default.step_rows == 32 == default.buckets.max_batch
+  wide = EngineConfig.create(model, max_seq_len=64, max_num_seqs=256)
+  assert wide.step_rows == 256 and wide.buckets.batch_sizes == (1, 2, 4, 8, 16, 32)
+  assert wide.num_blocks == 256 * wide.table_width + wide.prefix_blocks
+  assert wide.options()["max_num_seqs"] == 256
+  narrow = EngineConfig.create(model, max_seq_len=64, max_num_seqs=3)
+  assert narrow.step_rows == 3 and narrow.buckets.batch_sizes == (1, 2)
+  assert EngineConfig.create(model, max_seq_len=64, max_num_seqs=1).buckets.batch_sizes == (1,)
+  # The largest batch bucket when max_num_seqs is not given (as before the option existed).
+  assert EngineConfig.create(model, max_seq_len=64, batch_buckets=(1, 64)).step_rows == 64
+
+
+def test_max_num_seqs_bounds_the_requests_that_run_together():
+  # Four requests of 6 tokens: in one wave of steps with room for four, in two waves with room
+  # for two (the last two start when the first two have finished); the same tokens either way.
+  prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5], [8, 9, 7, 9]]
+  steps, made = {}, {}
+  for seqs in (4, 2):
+    engine = Engine(preset("tiny-gpt2"), max_seq_len=64, max_num_seqs=seqs, prompt_buckets=(16,))
+    before = engine.stats()["steps"]
+    made[seqs] = engine.generate(prompts, max_new_tokens=6, eos_token_id=[])
+    steps[seqs] = engine.stats()["steps"] - before
+    assert engine.stats()["max_running"] == seqs
+    engine.close()
+  assert made[2] == made[4]
+  assert steps[4] == 6 and steps[2] == 12
 
 
 @pytest.mark.parametrize("options, match", [

@@ -18,7 +18,7 @@ MODEL_HELP = ("checkpoint directory, bundled model, preset name (random weights)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
-  """--model, (--dtype,) --max-seq-len, --batch-buckets, --prompt-buckets and
+  """--model, (--dtype,) --max-seq-len, --max-num-seqs, --batch-buckets, --prompt-buckets and
   --max-num-batched-tokens."""
   parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
   if dtype:
@@ -28,6 +28,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) 
   parser.add_argument("--max-seq-len", type=int, default=None,
                       help="KV cache length (prompt + output tokens); None = the engine's "
                            "default, min(model context, 2048)")
+  parser.add_argument("--max-num-seqs", type=int, default=None,
+                      help="the most requests running at once; None = the largest batch bucket")
   parser.add_argument("--batch-buckets", default=None,
                       help="batch sizes to compile, comma separated; None = see each benchmark")
   parser.add_argument("--prompt-buckets", default=None,
@@ -115,16 +117,19 @@ def engine_options(args, batch_buckets: Sequence[int] | None,
   if getattr(args, "max_num_batched_tokens", None) is not None:
     options["max_num_batched_tokens"] = integer("--max-num-batched-tokens",
                                                 args.max_num_batched_tokens)
+  if getattr(args, "max_num_seqs", None) is not None:
+    options["max_num_seqs"] = integer("--max-num-seqs", args.max_num_seqs)
   return options
 
 
 def row(args, workload: dict[str, Any], figures: dict[str, float],
         device: str | None = None) -> rows.Row:
-  """This run's row: `--system`, `--model`, the workload (with `--max-num-batched-tokens` when
-  given: rows of the default stay comparable with earlier ones), the figures and where it
-  ran."""
+  """This run's row: `--system`, `--model`, the workload (with `--max-num-batched-tokens` and
+  `--max-num-seqs` when given: rows of the default stay comparable with earlier ones), the
+  figures and where it ran."""
   workload = dict(workload)
-  if getattr(args, "max_num_batched_tokens", None) is not None:
-    workload["max_num_batched_tokens"] = args.max_num_batched_tokens
+  for option in ("max_num_batched_tokens", "max_num_seqs"):
+    if getattr(args, option, None) is not None:
+      workload[option] = getattr(args, option)
   return rows.Row(system=args.system, model=args.model, workload=workload,
                   figures={k: float(v) for k, v in figures.items()}, **rows.where(device))

@@ -1,7 +1,7 @@
 """The engine's configuration: one frozen, typed tree, validated once when it is built.
 
-  EngineConfig                       cache length, buckets, CUDA-graph mode, readback lag, device
-  |                                  loop, tensor parallelism, extra XLA options
+  EngineConfig                       cache length, running requests, step budget, buckets,
+  |                                  CUDA-graph mode, readback lag, tensor parallelism, XLA options
   +-- forward: ForwardConfig         attention backend, layer loop, matmul row padding
         +-- prefill_attention: FlashAttentionConfig   (cg_jax.kernels.flash_attention)
 
@@ -48,6 +48,8 @@ INVARIANT_CHUNK = 256
 # and elsewhere (a CPU takes longer per token: smaller steps hold the decode rows for less).
 DEFAULT_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
 MAX_STEP_TOKENS = 1 << 16
+# The most requests one engine runs at once (`max_num_seqs`) may be.
+MAX_NUM_SEQS = 4096
 # The smallest token bucket of an engine step (a decode step of up to that many rows), by
 # attention backend: the Pallas kernel's, 8 (decode steps run their products on at least
 # min_matmul_rows rows anyway); XLA's (the CPU default), 1: it attends for every token of the
@@ -136,7 +138,11 @@ class EngineConfig:
   """Everything that sizes an engine's buffers or changes its executables (all hashable).
 
   max_seq_len: KV-cache length T per row (prompt + generated tokens).
-  buckets: batch and prompt-length buckets; the cache holds `buckets.max_batch` rows.
+  max_num_seqs: U, the most requests running at once (vLLM's option of that name): the rows of
+    the largest decode step and of the carry; more wait in the queue, as they do when the KV
+    cache has no blocks for them.
+  buckets: the static path's batch and prompt-length buckets (`("prefill", batch, length)`:
+    benchmarks' baseline; the engine's steps take token buckets), at most max_num_seqs rows.
   forward: how the forward paths run (`ForwardConfig`).
   graphs: CUDA-graph mode (`cg_jax.core.graphs.GRAPH_MODES`).
   prefill_gemm: the GEMM backend of the prefill steps and static prefills (`PREFILL_GEMMS`).
@@ -173,6 +179,7 @@ class EngineConfig:
   """
 
   max_seq_len: int
+  max_num_seqs: int
   buckets: Buckets
   forward: ForwardConfig
   graphs: str = "xla-default"
@@ -195,6 +202,12 @@ class EngineConfig:
       raise TypeError(f"buckets must be a Buckets, got {self.buckets!r}")
     if not isinstance(self.forward, ForwardConfig):
       raise TypeError(f"forward must be a ForwardConfig, got {self.forward!r}")
+    if not _is_int(self.max_num_seqs) or not 1 <= self.max_num_seqs <= MAX_NUM_SEQS:
+      raise ValueError(f"max_num_seqs must be an int in [1, {MAX_NUM_SEQS}], got "
+                       f"{self.max_num_seqs!r}")
+    if self.buckets.max_batch > self.max_num_seqs:
+      raise ValueError(f"the largest batch bucket ({self.buckets.max_batch}) must be <= "
+                       f"max_num_seqs ({self.max_num_seqs}), the requests that run at once")
     if self.buckets.max_prompt_len >= self.max_seq_len:
       raise ValueError(f"the largest prompt bucket ({self.buckets.max_prompt_len}) must be < "
                        f"max_seq_len ({self.max_seq_len}) to leave room for a new token")
@@ -262,7 +275,7 @@ class EngineConfig:
 
   @classmethod
   def create(cls, model: DecoderConfig, *, max_seq_len: int | None = None,
-             batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+             max_num_seqs: int | None = None, batch_buckets: Sequence[int] | None = None,
              prompt_buckets: Sequence[int] | None = None, graphs: str = "xla-default",
              readback_lag: int = 2, prefill_gemm: str | None = None, tensor_parallel: int = 1,
              max_waiting: int = 1024, prefix_cache_tokens: int | None = None,
@@ -272,11 +285,12 @@ class EngineConfig:
              compiler_options: Mapping[str, Any] | None = None,
              batch_invariant: bool = False, **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
-    min(model context, DEFAULT_MAX_SEQ_LEN); prompt buckets powers of two from 16 below
-    max_seq_len; a prefix cache of 4 x max_seq_len tokens; KV blocks of 64 tokens with the
+    min(model context, DEFAULT_MAX_SEQ_LEN); max_num_seqs the largest batch bucket (batch
+    buckets DEFAULT_BATCH_BUCKETS, those up to max_num_seqs when only it is given); prompt
+    buckets powers of two from 16 below max_seq_len; a prefix cache of 4 x max_seq_len tokens; KV blocks of 64 tokens with the
     Pallas kernel, else of min(16, max_seq_len - 1), as many as `num_blocks` says unless
     kv_blocks or gpu_memory_utilization is given; steps of up to DEFAULT_STEP_TOKENS tokens, at
-    most max_batch x max_seq_len (the prompt bucket when batch-invariant); the prompt
+    most max_num_seqs x max_seq_len (the prompt bucket when batch-invariant); the prompt
     executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
     the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
     min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
@@ -298,20 +312,26 @@ class EngineConfig:
     if compiler_options is not None and not isinstance(compiler_options, Mapping):
       raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
                       f"{compiler_options!r}")
+    if batch_buckets is None:
+      batch_buckets = DEFAULT_BATCH_BUCKETS
+      if _is_int(max_num_seqs) and max_num_seqs >= 1:  # (else the tree's own check says why)
+        batch_buckets = tuple(b for b in batch_buckets if b <= max_num_seqs) or (max_num_seqs,)
     buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets or ()))
+    if max_num_seqs is None:
+      max_num_seqs = buckets.max_batch
     if max_num_batched_tokens is None and batch_invariant is True:
       max_num_batched_tokens = buckets.prompt_lengths[0]
     elif max_num_batched_tokens is None and _is_int(max_seq_len):
       # (no more than every row's whole context)
       max_num_batched_tokens = min(DEFAULT_STEP_TOKENS["gpu" if on_gpu() else "cpu"],
-                                   buckets.max_batch * max_seq_len)
+                                   max_num_seqs * max_seq_len)
     forward = ForwardConfig.create(batch_invariant=batch_invariant, **forward_options)
     if prefix_block is None and _is_int(max_seq_len) and max_seq_len >= 2:
       # Pages of 64 tokens beat 16 in every H200 decode row of the paged kernel.
       pallas = forward.attention == "pallas" and max_seq_len > 64
       prefix_block = 64 if pallas else min(16, max_seq_len - 1)
     config = cls(
-        max_seq_len=max_seq_len, buckets=buckets, forward=forward,
+        max_seq_len=max_seq_len, max_num_seqs=max_num_seqs, buckets=buckets, forward=forward,
         graphs=graphs, readback_lag=readback_lag, prefill_gemm=prefill_gemm,
         tensor_parallel=tensor_parallel, max_waiting=max_waiting,
         prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block, kv_blocks=kv_blocks,
@@ -348,9 +368,9 @@ class EngineConfig:
 
   @property
   def step_rows(self) -> int:
-    """U: the requests running at once (the largest batch bucket): the rows of the largest
-    step and of the tokens a step hands the next (its carry)."""
-    return self.buckets.max_batch
+    """U (`max_num_seqs`): the requests running at once: the rows of the largest step and of
+    the tokens a step hands the next (its carry)."""
+    return self.max_num_seqs
 
   def rows(self, tokens: int) -> int:
     """R: the rows of a step of `tokens` tokens (its block tables and logits)."""
@@ -368,12 +388,12 @@ class EngineConfig:
 
   @property
   def num_blocks(self) -> int:
-    """N: the paged cache's blocks: `kv_blocks`, else a full block table per row of the largest
-    batch bucket plus the prefix cache's. The cache holds one more, the scratch block that
+    """N: the paged cache's blocks: `kv_blocks`, else a full block table per running request
+    (`max_num_seqs`) plus the prefix cache's. The cache holds one more, the scratch block that
     padding rows write (`scratch_block`)."""
     if self.kv_blocks is not None:
       return self.kv_blocks
-    return self.buckets.max_batch * self.table_width + self.prefix_blocks
+    return self.max_num_seqs * self.table_width + self.prefix_blocks
 
   @property
   def scratch_block(self) -> int:
@@ -395,7 +415,8 @@ class EngineConfig:
   def options(self) -> dict[str, Any]:
     """Keyword options that rebuild this tree through `create`."""
     f = self.forward
-    return dict(max_seq_len=self.max_seq_len, batch_buckets=self.buckets.batch_sizes,
+    return dict(max_seq_len=self.max_seq_len, max_num_seqs=self.max_num_seqs,
+                batch_buckets=self.buckets.batch_sizes,
                 prompt_buckets=self.buckets.prompt_lengths, graphs=self.graphs,
                 readback_lag=self.readback_lag, prefill_gemm=self.prefill_gemm,
                 tensor_parallel=self.tensor_parallel, max_waiting=self.max_waiting,
@@ -434,7 +455,7 @@ def blocks_for_memory(model: DecoderConfig, config: EngineConfig, dtype,
   tokens = max(config.max_num_batched_tokens, config.max_seq_len)
   width = max(model.hidden_size, 2 * model.intermediate_size)
   reserve = max(MIN_ACTIVATION_RESERVE, ACTIVATION_TENSORS * tokens * width * itemsize // shards
-                + 2 * config.buckets.max_batch * model.vocab_size * 4)
+                + 2 * config.max_num_seqs * model.vocab_size * 4)
   gib = 2**30
   requested = int(config.gpu_memory_utilization * memory_bytes)
   if requested > memory_bytes - in_use_bytes:

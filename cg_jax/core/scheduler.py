@@ -2,7 +2,7 @@
 
 Requests wait in a bounded FIFO. The engine thread loops:
   1. retire: finished, cancelled and timed-out requests leave and give their blocks back;
-  2. admit: waiting requests join the running ones (at most `max_batch`) while the block pool
+  2. admit: waiting requests join the running ones (at most `max_num_seqs`) while the block pool
      has blocks for their whole life (prompt and max_new_tokens); a prompt that starts with
      cached blocks shares them (a prefix-cache hit copies nothing) and prefills only the rest;
   3. step: one executable over a flat batch of tokens up to the token budget

@@ -6,7 +6,7 @@ it (a token may be EOS, a readback may finish a request), so an iteration is a s
 plans, not one:
 
   admit    (`Admission`)   waiting requests, first come first served, take a place among the
-                           running ones (at most `max_batch`) while the block pool has blocks
+                           running ones (at most `max_num_seqs`) while the block pool has blocks
                            for the whole request (prompt and max_new_tokens); with the prefix
                            cache on, the cached blocks that start a prompt are shared
                            (`BlockPool.match`) and its cached tokens count as prefilled;
@@ -57,7 +57,7 @@ class PlanConfig:
   """What the policy depends on.
 
   Args:
-    max_batch: the most requests running at once (the rows of a step).
+    max_num_seqs: the most requests running at once (the rows of a step).
     token_buckets: the token counts of the step executables (ascending); the last is a step's
       token budget.
     max_seq_len: tokens a request's block table covers at most (prompt and new tokens).
@@ -65,11 +65,11 @@ class PlanConfig:
     prefix_cache: prompts share the cached blocks that start them.
     batch_invariant: a step takes one request's prompt chunk of `chunk_tokens` tokens at
       multiples of it (the one prompt bucket) beside the decode rows, in the one token bucket
-      (chunk_tokens + max_batch), and prefix hits are used in whole chunks.
+      (chunk_tokens + max_num_seqs), and prefix hits are used in whole chunks.
     chunk_tokens: the most prompt tokens one step takes (None: the token budget).
   """
 
-  max_batch: int
+  max_num_seqs: int
   token_buckets: tuple[int, ...]
   max_seq_len: int
   block_size: int = 16
@@ -80,7 +80,7 @@ class PlanConfig:
   @classmethod
   def of(cls, config) -> "PlanConfig":
     """From an `EngineConfig` (or a fake with the same fields)."""
-    return cls(max_batch=config.step_rows, token_buckets=config.token_buckets,
+    return cls(max_num_seqs=config.step_rows, token_buckets=config.token_buckets,
                max_seq_len=config.max_seq_len, block_size=config.prefix_block,
                prefix_cache=config.prefix_blocks > 0, batch_invariant=config.batch_invariant,
                chunk_tokens=config.max_num_batched_tokens)
@@ -101,8 +101,8 @@ class PlanConfig:
     return self.token_buckets[bisect.bisect_left(self.token_buckets, tokens)]
 
   def rows(self, tokens: int) -> int:
-    """R: the rows of a step of `tokens` tokens (a bucket): min(tokens, max_batch)."""
-    return min(tokens, self.max_batch)
+    """R: the rows of a step of `tokens` tokens (a bucket): min(tokens, max_num_seqs)."""
+    return min(tokens, self.max_num_seqs)
 
   def blocks_needed(self, request: "Scheduled") -> int:
     """Blocks of a request's whole life: its prompt and max_new_tokens, within max_seq_len."""
@@ -175,7 +175,7 @@ class Planner:
   def admissible(self, waiting: Sequence[Scheduled], running: int) -> bool:
     """Whether `admit` would let the head of the queue in now (a free place and its blocks),
     without taking anything."""
-    return bool(waiting) and running < self.config.max_batch and self._has_blocks(waiting[0])
+    return bool(waiting) and running < self.config.max_num_seqs and self._has_blocks(waiting[0])
 
   def _has_blocks(self, request: Scheduled) -> bool:
     # Enough: the shared blocks a match takes from the cached ones are among those needed.
@@ -187,7 +187,7 @@ class Planner:
     behind it. Each takes its blocks here (`release` gives them back)."""
     c = self.config
     admitted = []
-    for request in itertools.islice(waiting, max(c.max_batch - running, 0)):
+    for request in itertools.islice(waiting, max(c.max_num_seqs - running, 0)):
       if not self._has_blocks(request):
         break
       needed = c.blocks_needed(request)
@@ -229,7 +229,7 @@ class Planner:
     counts = [1] * len(decodes)
     budget = min(c.max_chunk, c.max_tokens - len(decodes))
     for i in pending[:1] if c.batch_invariant else pending:
-      if budget == 0 or len(requests) == c.max_batch:
+      if budget == 0 or len(requests) == c.max_num_seqs:
         break
       request = running[i]
       take = min(len(request.prompt) - request.prefilled, budget)
