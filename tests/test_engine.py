@@ -454,9 +454,10 @@ def test_abandoned_stream_leaves_engine_usable(engine):
 
 
 def test_kv_cache_too_large_fails_at_construction():
-  with pytest.raises(ValueError, match=r"KV cache for max batch 32 x max_seq_len 131072 \(and "
-                                       r"a prefix cache of 524288 tokens\) needs \d+ bytes"):
-    Engine(preset("llama-3.1-8b"), batch_buckets=(1, 32), max_seq_len=131072, dtype="bfloat16",
+  with pytest.raises(ValueError, match=r"KV cache for max_num_seqs 32 x max_seq_len 131072 \(and "
+                                       r"a prefix cache of 524288 tokens\) needs \d+ bytes.*"
+                                       r"lower max_seq_len, max_num_seqs or prefix_cache_tokens"):
+    Engine(preset("llama-3.1-8b"), max_num_seqs=32, max_seq_len=131072, dtype="bfloat16",
            prompt_buckets=(16,))
   with pytest.raises(ValueError, match="needs"):
     Engine(preset("tiny-llama"), memory_limit_bytes=1000)
