@@ -10,10 +10,11 @@ cache never serves them. Figures, as percentiles over the repeats, from each cal
 `result.stats`: `ttft_ms` (the batch's first token), `ttft_last_ms` (the last row's first token),
 `tpot_ms` (per output token after each row's own first token, the median over rows: other rows'
 prompt chunks that share its steps count, the wait for its first token does not) and
-`tokens_per_s` (all output tokens over the call's wall time). Unless `--no-step-time`, `step_us` is the decode step's time at
-batch size, from `cg_jax.profile.time_decode` (back-to-back steps at `step_position`, mid-output,
-after all the calls: it overwrites the KV cache), and `step_bytes` the bytes that step must read
-at least (`cg_jax.profile.decode_bytes`: its HBM floor is step_bytes / bandwidth).
+`tokens_per_s` (all output tokens over the call's wall time). Unless `--no-step-time`,
+`step_us` is the decode step's time at batch size, from `cg_jax.profile.time_decode`
+(back-to-back steps at `step_position`, mid-output, after all the calls: it overwrites the KV
+cache), and `step_bytes` the bytes that step must read at least (`cg_jax.profile.decode_bytes`:
+its HBM floor is step_bytes / bandwidth).
 
 `workload` and `figures` make the rows, so the PyTorch peers in benchmarks/ write the same ones.
 """

@@ -287,13 +287,14 @@ class EngineConfig:
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
     min(model context, DEFAULT_MAX_SEQ_LEN); max_num_seqs the largest batch bucket (batch
     buckets DEFAULT_BATCH_BUCKETS, those up to max_num_seqs when only it is given); prompt
-    buckets powers of two from 16 below max_seq_len; a prefix cache of 4 x max_seq_len tokens; KV blocks of 64 tokens with the
-    Pallas kernel, else of min(16, max_seq_len - 1), as many as `num_blocks` says unless
-    kv_blocks or gpu_memory_utilization is given; steps of up to DEFAULT_STEP_TOKENS tokens, at
-    most max_num_seqs x max_seq_len (the prompt bucket when batch-invariant); the prompt
-    executables' GEMMs on cuBLAS for models at least CUBLAS_PREFILL_HIDDEN wide, else XLA's;
-    the forward options of `ForwardConfig.create`. With `batch_invariant`, one prompt bucket of
-    min(INVARIANT_CHUNK, max_seq_len - 1) tokens. Checked against `model`."""
+    buckets powers of two from 16 below max_seq_len; a prefix cache of 4 x max_seq_len tokens;
+    KV blocks of 64 tokens with the Pallas kernel, else of min(16, max_seq_len - 1), as many as
+    `num_blocks` says unless kv_blocks or gpu_memory_utilization is given; steps of up to
+    DEFAULT_STEP_TOKENS tokens, at most max_num_seqs x max_seq_len (the prompt bucket when
+    batch-invariant); the prompt executables' GEMMs on cuBLAS for models at least
+    CUBLAS_PREFILL_HIDDEN wide, else XLA's; the forward options of `ForwardConfig.create`. With
+    `batch_invariant`, one prompt bucket of min(INVARIANT_CHUNK, max_seq_len - 1) tokens.
+    Checked against `model`."""
     if max_seq_len is None:
       max_seq_len = min(model.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if _is_int(max_seq_len) and max_seq_len >= 2:  # (else the tree's own check says why)
