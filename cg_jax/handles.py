@@ -56,6 +56,10 @@ class Group:
     self._open = rows
     self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
+  def row_end(self, row: int) -> float | None:
+    """When a row ended: its own finish, else the group's (a failed or cancelled group)."""
+    return self.row_finished_at[row] or self.finished_at
+
   # The engine thread's side.
 
   def _emit(self, tokens: dict[int, int], scores: dict[int, np.ndarray]) -> None:
@@ -253,8 +257,7 @@ def row_per_token(group: Group, row: int) -> float | None:
   first token to its end, over its tokens after the first), in seconds; None before it ends.
   Other rows' prompts that run meanwhile count (they share its steps); the time before its
   first token does not."""
-  first = group.row_first_token_at[row]
-  end = group.row_finished_at[row] or group.finished_at
+  first, end = group.row_first_token_at[row], group.row_end(row)
   if first is None or end is None:
     return None
   return (end - first) / max(len(group.tokens[row]) - 1, 1)
@@ -263,7 +266,7 @@ def row_per_token(group: Group, row: int) -> float | None:
 def request_stats(group: Group, row: int) -> dict[str, Any]:
   """Per-request timings in seconds: queue (submit to admission), ttft, per output token
   (`row_per_token`), total."""
-  first, end = group.row_first_token_at[row], group.row_finished_at[row] or group.finished_at
+  first, end = group.row_first_token_at[row], group.row_end(row)
   admitted = group.admitted_at[row]
   return {
       "queue_s": None if admitted is None else admitted - group.submitted_at,
