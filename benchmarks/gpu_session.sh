@@ -9,8 +9,9 @@
 #               peers torch_compile and torch_gptfast with the same options (torch_peers.py);
 #               `bench throughput` and hf_continuous on 64 requests at once. LATENCY_SYSTEMS and
 #               THROUGHPUT_SYSTEMS (comma lists) choose among these (empty: none)
-#   serve       for each of MODELS: `bench throughput` at 16 and 1 requests, then
-#               `python -m cg_jax serve` and `bench serve --clients 8` at 64, 16 and 1 requests
+#   serve       for each of MODELS: `bench throughput` at 64 and 16 requests at once and 16
+#               arriving 2 a second (one stream), then `python -m cg_jax serve` and `bench serve`
+#               on the same three workloads (--clients 8; one stream: 1) and 256 at once
 #               (needs .whl carried: the offline install below)
 #   startup     `bench startup` of the engine, cold and warm, for each of MODELS
 #   train       the bundled model (scripts/train_default_model.py; needs .train/kjv carried)
@@ -119,15 +120,21 @@ if has serve; then
   http_install /tmp/cg_jax_http > "$out/http_install.log" 2>&1 || echo "!! http_install failed"
   for model in ${MODELS//,/ }; do
     dir=$(checkpoint "$model")
-    for n in 16 1; do bench 120 throughput --model "$dir" --max-seq-len 1024 --num-requests $n; done
+    for n in 64 16; do bench 150 throughput --model "$dir" --max-seq-len 1024 --num-requests $n; done
+    # one stream: 16 requests arriving 2 a second (a request is served in about 0.15 s)
+    bench 120 throughput --model "$dir" --max-seq-len 1024 --num-requests 16 --rate 2
     python3 -m cg_jax serve --model "$dir" --max-seq-len 1024 --port 8123 \
       > "$out/serve-$model.log" 2>&1 &
     server=$!
     for _ in $(seq 400); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
-    for n in 64 16 1; do
+    for n in 64 16; do
       bench 120 serve --base-url http://127.0.0.1:8123/v1 --model "$dir" --num-requests $n \
         --clients 8 --device "$device"
     done
+    bench 120 serve --base-url http://127.0.0.1:8123/v1 --model "$dir" --num-requests 16 \
+      --rate 2 --clients 1 --device "$device"
+    bench 120 serve --base-url http://127.0.0.1:8123/v1 --model "$dir" --num-requests 256 \
+      --clients 16 --device "$device"
     kill -TERM $server; wait $server
   done
 fi
