@@ -205,7 +205,8 @@ class ExecutableTable:
     """The compiled executable of a key, compiling it now if warm-up did not."""
     exe = self.compiled.get(key)
     if exe is None:
-      exe, self.compile_seconds[key] = self._build(key)
+      exe, self.compile_seconds[key], loaded = self._build(key)
+      self.loaded += loaded
       self.compiled[key] = exe
     return exe
 
@@ -215,22 +216,14 @@ class ExecutableTable:
     name = hashlib.sha256(f"{self._build_digest}{key!r}".encode()).hexdigest()[:32]
     return self._store / f"{'-'.join(map(str, key))}-{name}.exe"
 
-  def _load(self, key: tuple):
-    """The stored executable of a key and its load seconds, or None."""
+  def _build(self, key: tuple):
+    """(executable, seconds, loaded): loaded from the store, or else compiled (and stored)."""
     start = time.perf_counter()
     path = self._stored(key)
     exe = None if path is None else _load(path)
-    if exe is None:
-      return None
-    self.loaded += 1
-    return exe, time.perf_counter() - start
-
-  def _build(self, key: tuple):
-    """(executable, seconds): loaded from the store, or else compiled (and stored)."""
-    loaded = self._load(key)
-    if loaded is not None:
-      return loaded
-    return self._compile(key)
+    if exe is not None:
+      return exe, time.perf_counter() - start, True
+    return *self._compile(key), False
 
   def _compile(self, key: tuple):
     start = time.perf_counter()
@@ -247,48 +240,42 @@ class ExecutableTable:
 
   def compile(self, keys: Sequence[tuple], progress: bool = True, workers: int | None = None,
               on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
-    """Load the stored executables of `keys` (in this thread) and compile the others on
-    `workers` threads (None: one per CPU core; XLA compiles outside the GIL); {name: compile or
-    load seconds of that key}.
+    """Load the stored executables of `keys` and compile the others, on `workers` threads
+    (None: one per CPU core; XLA compiles and deserializes mostly outside the GIL); {name:
+    compile or load seconds of that key}.
 
     With `progress`, a bar on stderr counts the executables compiled here (its total: those
     neither compiled before nor stored; no bar when there are none). It redraws at most every
     `_bar_interval()` seconds: often on a terminal, rarely into a log file.
     `on_progress(done, total)` is called at the start and after each key is loaded or compiled:
     `done` of the `total` distinct keys are ready, the ones compiled before included. An
-    exception from it stops the work: executables not yet started are not compiled, those
-    compiling finish, then it propagates.
+    exception from it stops the work: executables not yet started are not built, those
+    building finish, then it propagates.
     """
     unique = list(dict.fromkeys(keys))
     done = sum(key in self.compiled for key in unique)
     if on_progress is not None:
       on_progress(done, len(unique))
-    todo = []
-    for key in unique:  # stored executables load here, one at a time
-      if key not in self.compiled:
-        loaded = self._load(key)
-        if loaded is None:
-          todo.append(key)
-          continue
-        self.compiled[key], self.compile_seconds[key] = loaded
-        done += 1
-        if on_progress is not None:
-          on_progress(done, len(unique))
+    todo = [key for key in unique if key not in self.compiled]
     if todo:
+      stored = sum(path is not None and path.exists() for path in map(self._stored, todo))
       workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
       pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cg_jax-compile")
-      bar = tqdm(total=len(todo), desc="compiling", unit="exe", disable=not progress,
-                 file=sys.stderr, mininterval=_bar_interval())
+      bar = tqdm(total=len(todo) - stored, desc="compiling", unit="exe",
+                 disable=not progress or len(todo) == stored, file=sys.stderr,
+                 mininterval=_bar_interval())
       try:
-        futures = {pool.submit(self._compile, key): key for key in todo}
+        futures = {pool.submit(self._build, key): key for key in todo}
         for future in concurrent.futures.as_completed(futures):
           key = futures[future]
-          self.compiled[key], self.compile_seconds[key] = future.result()
-          bar.update()
+          self.compiled[key], self.compile_seconds[key], loaded = future.result()
+          self.loaded += loaded
+          if not loaded:
+            bar.update()
           done += 1
           if on_progress is not None:
             on_progress(done, len(unique))
-      finally:  # on an error, the compiles not started are dropped; the running ones finish
+      finally:  # on an error, the builds not started are dropped; the running ones finish
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
