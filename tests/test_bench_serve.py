@@ -80,6 +80,10 @@ def _check(args, measured):
   assert figures["ttft_ms_p50"] <= figures["e2e_ms_p50"]
   assert figures["ttft_ms_p99"] <= figures["e2e_ms_p99"]
   assert figures["ttft_ms_p50"] <= figures["ttft_ms_p90"] <= figures["ttft_ms_p99"]
+  # The server's own figures of the measured requests: its first token comes inside the
+  # client's wait for it.
+  assert 0 < figures["server_ttft_ms_mean"] <= figures["ttft_ms_mean"]
+  assert 0 < figures["server_tpot_ms_mean"] < figures["e2e_ms_p99"]
   assert (row.system, row.model) == ("cg_jax", MODEL)
   assert row.jax and row.commit and row.date
   return row
@@ -144,6 +148,25 @@ def test_wrong_model_fails_every_request(port):
   with pytest.raises(serve.AllFailed, match=r"all 8 requests .* failed; the first: HTTP 404: "
                                             r"the model 'no-such-model' does not exist"):
     serve.run(args)
+
+
+def test_server_histograms_add_up_label_sets_and_skip_the_rest():
+  text = "\n".join([
+      "# HELP vllm:time_to_first_token_seconds Histogram of time to first token",
+      'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0',
+      'vllm:time_to_first_token_seconds_sum{model_name="m"} 0.25',
+      'vllm:time_to_first_token_seconds_count{model_name="m"} 3.0',
+      'vllm:time_to_first_token_seconds_sum{model_name="n"} 0.75',
+      'vllm:time_to_first_token_seconds_count{model_name="n"} 1.0',
+      "cg_jax_time_per_output_token_seconds_sum 0.5",
+      "cg_jax_time_per_output_token_seconds_count 100.0",
+      "cg_jax_request_duration_seconds_sum 9.0"])
+  after = serve.histogram_totals(text)
+  assert after == {"time_to_first_token_seconds": (1.0, 4.0),
+                   "time_per_output_token_seconds": (0.5, 100.0)}
+  before = {"time_to_first_token_seconds": (0.5, 2.0)}
+  assert serve.server_figures(before, after) == {"server_ttft_ms_mean": 250.0}
+  assert serve.server_histograms("http://127.0.0.1:9/v1") == {}  # nothing listens there
 
 
 def test_seeded_workload():

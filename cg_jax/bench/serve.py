@@ -30,6 +30,11 @@ Figures (over the requests that succeeded; times from `time.perf_counter` on the
   * `itl_ms` p50/p90/p99: the gaps between consecutive content chunks of a request (a chunk
     carrying several tokens is one gap).
   * `e2e_ms` p50/p99: send -> the stream's end.
+  * `ttft_ms_mean`, `tpot_ms_mean`, and where the server has them (`/metrics` beside the base
+    URL: cg_jax's and vLLM's), `server_ttft_ms_mean` and `server_tpot_ms_mean`: the same
+    request-level figures as the server measured them over the measured requests (the change
+    of its histograms' sums and counts from the common start to the end), so a client's time
+    splits into the server's and the way there and back.
   * `errors`: requests that failed (an HTTP error, a refused connection, an error event in the
     stream); the first 3 messages go to stderr. If every request fails, `run` raises
     `AllFailed` (a ValueError: `python -m cg_jax` prints `error: ...`) with the first message.
@@ -49,9 +54,11 @@ import math
 import multiprocessing
 import os
 import queue
+import re
 import sys
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +80,11 @@ SHOWN_ERRORS = 3  # failed requests whose message is printed
 START_AHEAD_S = 0.05  # the common start, after every client is ready
 DEFAULT_CLIENTS = min(8, os.cpu_count() or 1)  # (one per core, up to 8)
 _SPAWN = multiprocessing.get_context("spawn")
+# The server's own per-request histograms (Prometheus text at /metrics beside /v1; cg_jax's and
+# vLLM's names end so): (figure, metric name suffix).
+SERVER_HISTOGRAMS = (("server_ttft_ms_mean", "time_to_first_token_seconds"),
+                     ("server_tpot_ms_mean", "time_per_output_token_seconds"))
+_SAMPLE = re.compile(r"^(\S+?)_(sum|count)(?:\{[^}]*\})? (\S+)$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,15 +250,24 @@ def _next(results: Any, workers: list) -> Any:
                              f"code {worker.exitcode}") from None
 
 
-def _send_all(args: argparse.Namespace, work: Workload, clients: int) -> tuple[list[Record], float]:
-  """Every request's record and the start time (the first arrival)."""
+def _send_all(args: argparse.Namespace, work: Workload,
+              clients: int) -> tuple[list[Record], float, dict[str, float]]:
+  """Every request's record, the start time (the first arrival) and the server's figures of
+  the measured requests (`server_figures`: its histograms scraped once every client is warm and
+  again at the end)."""
   n = len(work.prompts)
   shares = [list(range(c, n, clients)) for c in range(clients)]
   caps = _caps(args.max_concurrency, clients)
+  before: dict[str, tuple[float, float]] = {}
+
+  def warm() -> None:
+    before.update(server_histograms(args.base_url))
+
   with tqdm(total=n, desc="requests", unit="req", file=sys.stderr) as bar:
     if clients == 1:
-      return asyncio.run(_send(args, work, shares[0], caps[0], lambda: None, time.perf_counter,
-                               lambda: bar.update(1)))
+      records, start = asyncio.run(_send(args, work, shares[0], caps[0], warm,
+                                         time.perf_counter, lambda: bar.update(1)))
+      return records, start, server_figures(before, server_histograms(args.base_url))
     go, start = _SPAWN.Event(), _SPAWN.Value("d", 0.0)
     results = _SPAWN.Queue()
     workers = [_SPAWN.Process(target=_client_process, name=f"cg_jax-bench-client-{c}",
@@ -262,6 +283,7 @@ def _send_all(args: argparse.Namespace, work: Workload, clients: int) -> tuple[l
         if item == "ready":
           ready += 1
           if ready == clients:  # every client warmed up: the common start
+            warm()
             start.value = time.perf_counter() + START_AHEAD_S
             go.set()
         elif item is None:
@@ -277,7 +299,44 @@ def _send_all(args: argparse.Namespace, work: Workload, clients: int) -> tuple[l
         if worker.is_alive():
           worker.kill()
           worker.join()
-  return records, start.value
+  return records, start.value, server_figures(before, server_histograms(args.base_url))
+
+
+def server_histograms(base_url: str) -> dict[str, tuple[float, float]]:
+  """`histogram_totals` of the server's /metrics (beside the base URL's /v1); {} when it does
+  not answer."""
+  url = urllib.parse.urljoin(base_url.rstrip("/") + "/", "../metrics")
+  try:
+    with urllib.request.urlopen(url, timeout=5) as response:
+      return histogram_totals(response.read().decode())
+  except (OSError, ValueError):
+    return {}
+
+
+def histogram_totals(text: str) -> dict[str, tuple[float, float]]:
+  """{metric name suffix: (sum, count)} of `SERVER_HISTOGRAMS` in Prometheus text, each
+  metric's label sets added up."""
+  totals: dict[str, list[float]] = {}
+  for line in text.splitlines():
+    match = _SAMPLE.match(line)
+    if match is None:
+      continue
+    name, part, value = match.groups()
+    for _, suffix in SERVER_HISTOGRAMS:
+      if name.endswith(suffix):
+        totals.setdefault(suffix, [0.0, 0.0])[part == "count"] += float(value)
+  return {suffix: (total, count) for suffix, (total, count) in totals.items()}
+
+
+def server_figures(before: dict[str, tuple[float, float]],
+                   after: dict[str, tuple[float, float]]) -> dict[str, float]:
+  """The mean of each server histogram over the requests between two scrapes, in ms."""
+  out = {}
+  for figure, suffix in SERVER_HISTOGRAMS:
+    if suffix in before and suffix in after and after[suffix][1] > before[suffix][1]:
+      out[figure] = ((after[suffix][0] - before[suffix][0])
+                     / (after[suffix][1] - before[suffix][1]) * 1e3)
+  return out
 
 
 def figures(records: Sequence[Record], start: float) -> dict[str, float]:
@@ -299,7 +358,9 @@ def figures(records: Sequence[Record], start: float) -> dict[str, float]:
   return {"tokens_per_s": output / wall, "requests_per_s": len(done) / wall, "wall_s": wall,
           "output_tokens": float(output), **rows.percentiles("ttft_ms", ttft),
           **rows.percentiles("tpot_ms", tpot), **rows.percentiles("itl_ms", itl),
-          **rows.percentiles("e2e_ms", e2e, (50, 99)), "errors": float(errors)}
+          **rows.percentiles("e2e_ms", e2e, (50, 99)), "errors": float(errors),
+          **({"ttft_ms_mean": float(np.mean(ttft))} if ttft else {}),
+          **({"tpot_ms_mean": float(np.mean(tpot))} if tpot else {})}
 
 
 class AllFailed(ValueError):
@@ -315,6 +376,7 @@ class Measurement:
   records: list[Record]
   start: float  # perf_counter at the first arrival
   clients: int = 1
+  server: dict[str, float] = dataclasses.field(default_factory=dict)  # `server_figures`
 
 
 def measure(args: argparse.Namespace) -> Measurement:
@@ -333,8 +395,8 @@ def measure(args: argparse.Namespace) -> Measurement:
   rate = options.rate("--rate", args.rate)
   work = workload(args.num_requests, prompt_len, rate, args.vocab_size, args.seed)
   clients = min(clients, args.num_requests, args.max_concurrency or args.num_requests)
-  records, start = _send_all(args, work, clients)
-  return Measurement(prompt_len, rate, records, start, clients)
+  records, start, server = _send_all(args, work, clients)
+  return Measurement(prompt_len, rate, records, start, clients, server)
 
 
 def row(args: argparse.Namespace, measured: Measurement) -> Row:
@@ -360,7 +422,7 @@ def row(args: argparse.Namespace, measured: Measurement) -> Row:
           "rate": "inf" if math.isinf(measured.rate) else measured.rate,
           "max_concurrency": args.max_concurrency, "clients": measured.clients,
           "base_url": host}
-  return options.row(args, load, figures(records, measured.start),
+  return options.row(args, load, {**figures(records, measured.start), **measured.server},
                      device=args.device or "remote")
 
 
