@@ -17,7 +17,7 @@ parallelism, padded rows) with the same methods:
       negative position marks an idle row: nothing is written and its output is zeros.
   extend(qkv, positions, rows, k_all, v_all, layer) -> (out, k_all, v_all)
       a chunk of C tokens per row at any cache offset, its heads as the fused QKV projection
-      leaves them: qkv [B, C, P, G, H] (`split_heads` says where q, k and v lie: a kernel reads
+      leaves them: qkv [B, C, Z, J, H] (`split_heads` says where q, k and v lie: a kernel reads
       them in place); k, v are written at (layer, rows[b], positions[b, c]) and each query
       attends to the keys of cache row rows[b] up to its own position. Negative positions
       (padding) write nothing. out [B, C, N, H].
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 
 def split_heads(qkv, kv_heads: int):
-  """The fused projection's heads apart: qkv [B, S, P, G, H] (P groups of G = (N + 2K) / P heads,
+  """The fused projection's heads apart: qkv [B, S, Z, J, H] (Z groups of J = (N + 2K) / Z heads,
   each group's query heads, then its key heads, then its value heads: one group per tensor-
   parallel shard) -> q [B, S, N, H], k, v [B, S, K, H], heads in group order."""
   batch, seq, groups, _, head_dim = qkv.shape
@@ -47,7 +47,7 @@ def split_heads(qkv, kv_heads: int):
 
 
 def fuse_heads(q, k, v, groups: int):
-  """`split_heads` undone: q [..., N, H], k, v [..., K, H] -> [..., P, G, H] for P = `groups`."""
+  """`split_heads` undone: q [..., N, H], k, v [..., K, H] -> [..., Z, J, H] for Z = `groups`."""
   grouped = [x.reshape(*x.shape[:-2], groups, -1, x.shape[-1]) for x in (q, k, v)]
   return jnp.concatenate(grouped, axis=-2)
 

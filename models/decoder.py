@@ -103,7 +103,7 @@ def _apply_rope(qkv, positions, inv_freq, rotated: int):
   of qkv (its queries and keys; the values pass unchanged), as one elementwise pass.
 
   Args:
-    qkv: [B, S, P, G, H] (`Decoder._layer`); positions: int32 [B, S]; inv_freq: f32 [H/2].
+    qkv: [B, S, Z, J, H] (`Decoder._layer`); positions: int32 [B, S]; inv_freq: f32 [H/2].
   """
   # [B, S, 1, 1, H]
   cos, sin = (part[:, :, None, None, :] for part in rope_cos_sin(positions, inv_freq))
@@ -111,7 +111,7 @@ def _apply_rope(qkv, positions, inv_freq, rotated: int):
   half = qkv.shape[-1] // 2
   turned = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
   roped = (x32 * cos + turned * sin).astype(qkv.dtype)
-  # [G, 1]: the heads RoPE turns
+  # [J, 1]: the heads RoPE turns
   head = jnp.arange(qkv.shape[3])[:, None]
   return jnp.where(head < rotated, roped, qkv)
 
@@ -260,8 +260,8 @@ class Decoder(nnx.Module):
     Args:
       x: [B, S, D]; w: this layer's weights {kind: array}; positions: int32 [B, S].
       kv: the attention's cache state, passed through `attend` (None without a cache).
-      attend: attend(qkv [B, S, P, G, H], kv) -> (out [B, S, N, H], kv): the fused projection's
-        heads after RoPE, P = `shards` groups of G = (N + 2K) / P heads, each group its own
+      attend: attend(qkv [B, S, Z, J, H], kv) -> (out [B, S, N, H], kv): the fused projection's
+        heads after RoPE, Z = `shards` groups of J = (N + 2K) / Z heads, each group its own
         query heads, then key heads, then value heads (`models.attention.split_heads`).
       shards: column groups of the QKV and gated MLP-in weights (1: the canonical layout; more:
         shard-major, each group holding its own heads' [q | k | v] and [gate | up]).
@@ -278,7 +278,7 @@ class Decoder(nnx.Module):
     qkv = projection(flat, w["qkv_kernel"], norm=norm, norm_scale=w["attn_norm_scale"],
                      norm_bias=w.get("attn_norm_bias"), eps=c.norm_eps, bias=w.get("qkv_bias"))
     q_width = c.num_heads * c.head_dim
-    # [B, S, P, G, H]: each shard group's [q | k | v] heads
+    # [B, S, Z, J, H]: each shard group's [q | k | v] heads
     qkv = qkv.reshape(batch, seq, shards, -1, c.head_dim)
     if c.uses_rope:
       inv_freq = jnp.asarray(rope_inverse_frequencies(c))
@@ -295,7 +295,7 @@ class Decoder(nnx.Module):
 
   def _layers(self, x, positions, cache: KVCache | None, attend, layer_loop: str, shards: int):
     """Every layer over x [B, S, D]; attend(qkv, k_all, v_all, layer) -> (out, k_all, v_all)
-    (qkv [B, S, P, G, H]: `_layer`) updates the stacked cache (k_all, v_all None without one).
+    (qkv [B, S, Z, J, H]: `_layer`) updates the stacked cache (k_all, v_all None without one).
     Returns (x, k_all, v_all)."""
 
     def body(carry, w, layer):

@@ -151,7 +151,7 @@ class PagedAttention:
     batch, size, heads, head_dim = q.shape
     # A [B, S] grid of right-padded rows: regions of S tokens, counts[b] of them real.
     region_starts = jnp.arange(batch + 1, dtype=jnp.int32) * size
-    # [B S, P, G, H]
+    # [B S, Z, J, H]
     qkv = fuse_heads(q, k, v, self._groups).reshape(batch * size, self._groups, -1, head_dim)
     out, k_all, v_all = self.ragged(qkv, k_all, v_all, layer, starts + counts, region_starts,
                                     counts, config, decode_only)
@@ -184,12 +184,12 @@ class PagedAttention:
 
   @property
   def _groups(self) -> int:
-    """P: the head groups of the fused heads (one per tensor-parallel device)."""
+    """Z: the head groups of the fused heads (one per tensor-parallel device)."""
     return 1 if self.mesh is None else self.mesh.size
 
   def ragged(self, qkv, k_all, v_all, layer, seq_lens, query_starts, query_lens, config,
              decode_only=False):
-    """`ragged_paged_attention` of a flat batch qkv [A, P, G, H] (the fused heads,
+    """`ragged_paged_attention` of a flat batch qkv [A, Z, J, H] (the fused heads,
     `models.attention.split_heads`) over this call's tables, per device on its group of heads
     under tensor parallelism; `ragged_attention_xla` without the kernel. out [A, N, H]."""
     layer = jnp.asarray(layer, jnp.int32)
@@ -203,7 +203,7 @@ class PagedAttention:
     cache = None if mesh is None else _heads(mesh, 5, 3)
 
     def kernel(qkv, k_all, v_all, layer, tables, seq_lens, query_starts, query_lens):
-      # [A, 1, G, H] (this device's group) -> [A, G, H]
+      # [A, 1, J, H] (this device's group) -> [A, J, H]
       fused = qkv.reshape(qkv.shape[0], -1, qkv.shape[-1])
       return ragged_paged_attention(fused, k_all, v_all, layer, tables, seq_lens, query_starts,
                                     query_lens, config=config, decode_only=decode_only,
@@ -216,11 +216,12 @@ class PagedAttention:
 @dataclasses.dataclass(frozen=True)
 class RaggedAttention:
   """The attention of an engine step (`cg_jax.core.steps`): the model sees one row of A tokens
-  (`extend`, qkv [1, A, P, G, H]) that holds R requests end to end: request r's query_lens[r] tokens
-  start at query_starts[r] and sit at positions seq_lens[r] - query_lens[r] .. seq_lens[r] - 1
-  of its block table `paged.tables[r]`, attending causally to its cached keys and to each
-  other; tokens past query_starts[R] are padding (zeros out, nothing written). Int32 [R + 1],
-  [R], [R] arrays (traced); `config`: the kernel's block config for this step's bucket."""
+  (`extend`, qkv [1, A, Z, J, H]) that holds R requests end to end: request r's query_lens[r]
+  tokens start at query_starts[r] and sit at positions seq_lens[r] - query_lens[r] ..
+  seq_lens[r] - 1 of its block table `paged.tables[r]`, attending causally to its cached keys
+  and to each other; tokens past query_starts[R] are padding (zeros out, nothing written).
+  Int32 [R + 1], [R], [R] arrays (traced); `config`: the kernel's block config for this step's
+  bucket."""
 
   paged: PagedAttention
   query_starts: Any
@@ -229,7 +230,7 @@ class RaggedAttention:
   config: RaggedPagedAttentionConfig = PREFILL
 
   def extend(self, qkv, positions, rows, k_all, v_all, layer):
-    # qkv [1, A, P, G, H]; positions and rows: the metadata above says it all.
+    # qkv [1, A, Z, J, H]; positions and rows: the metadata above says it all.
     out, k_all, v_all = self.paged.ragged(qkv[0], k_all, v_all, layer, self.seq_lens,
                                           self.query_starts, self.query_lens, self.config)
     return out[None], k_all, v_all
