@@ -37,7 +37,7 @@ from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attentio
                                             flash_attention_reference)
 from cg_jax.kernels.ragged_paged_attention import (RaggedPagedAttentionConfig,
                                                    ragged_paged_attention,
-                                                   ragged_paged_attention_reference)
+                                                   ragged_paged_attention_reference, split_qkv)
 from models.config import PRESETS
 
 BF16_FLOPS = 790e12
@@ -102,29 +102,33 @@ def _random_inputs(seed: int, q_shape, kv_shape, batch: int, length: int):
   return q, k, v, jnp.full((batch,), length, jnp.int32)
 
 
-def layers_us(attend, inputs, layers: int, calls: int = 10, rounds: int = 5) -> float:
-  """Per-layer time of `attend(q, k_new, v_new, k_cache, v_cache, *rest, layer=l)` -> (out,
-  k_cache, v_cache) over `layers` layers back to back in one executable (graph mode `full`, the
-  caches donated and carried from call to call), as in the decode step: in-graph kernel time
-  plus its launch gap."""
-  q, k_new, v_new, k_cache, v_cache, *rest = inputs
+def layers_us(attend, inputs, layers: int, calls: int = 10, rounds: int = 5,
+              caches: tuple[int, int] = (3, 4)) -> float:
+  """Per-layer time of `attend(*inputs, layer=l)` -> (out, k_cache, v_cache), where
+  inputs[caches] are the caches (after the new tokens' arrays: q, k_new, v_new, or the paged
+  kernel's fused qkv), over `layers` layers back to back in one executable (graph mode `full`,
+  the caches donated and carried from call to call), as in the decode step: in-graph kernel
+  time plus its launch gap."""
+  k_at, v_at = caches
 
-  def step(q, k_new, v_new, k_cache, v_cache, *rest):
+  def step(*args):
+    args = list(args)
     total = jnp.zeros((), jnp.float32)
     for layer in range(layers):
-      out, k_cache, v_cache = attend(q, k_new, v_new, k_cache, v_cache, *rest, layer=layer)
+      out, args[k_at], args[v_at] = attend(*args, layer=layer)
       total += out[0, 0, 0].astype(jnp.float32)  # keeps every layer's output alive
-    return total, k_cache, v_cache
+    return total, args[k_at], args[v_at]
 
-  compiled = jax.jit(step, donate_argnums=(3, 4)).lower(*inputs).compile(
+  compiled = jax.jit(step, donate_argnums=caches).lower(*inputs).compile(
       compiler_options("full"))
-  total, k_cache, v_cache = compiled(q, k_new, v_new, k_cache, v_cache, *rest)
+  args = list(inputs)
+  total, args[k_at], args[v_at] = compiled(*args)
   jax.block_until_ready(total)
   times = []
   for _ in range(1 if INTERPRET else rounds):
     start = time.perf_counter()
     for _ in range(1 if INTERPRET else calls):
-      total, k_cache, v_cache = compiled(q, k_new, v_new, k_cache, v_cache, *rest)
+      total, args[k_at], args[v_at] = compiled(*args)
     jax.block_until_ready(total)
     times.append((time.perf_counter() - start) / (1 if INTERPRET else calls))
   return statistics.median(times) * 1e6 / layers
@@ -170,40 +174,40 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
 def _paged_inputs(seed: int, layers: int, q_lens, seq_lens, page_size: int, width: int, heads: int,
                   kv_heads: int, head_dim: int):
   """A function returning a flat batch (sequence r: q_lens[r] query tokens, seq_lens[r]
-  positions after the call) over a random bfloat16 paged cache [L, M, C, K, H], fresh on each
-  call (each timing donates its own), with random block tables [R, W] (every page distinct,
-  M = R W + 1)."""
-  keys = jax.random.split(jax.random.key(seed), 6)
+  positions after the call: their heads fused, qkv [A, N + 2K, H]) over a random bfloat16 paged
+  cache [L, M, C, K, H], fresh on each call (each timing donates its own), with random block
+  tables [R, W] (every page distinct, M = R W + 1)."""
+  keys = jax.random.split(jax.random.key(seed), 4)
   tokens, sequences = sum(q_lens), len(q_lens)
   pages = sequences * width + 1
   cache_shape = (layers, pages, page_size, kv_heads, head_dim)
-  q = jax.random.normal(keys[0], (tokens, heads, head_dim), jnp.bfloat16)
-  k_new, v_new = (jax.random.normal(k, (tokens, kv_heads, head_dim), jnp.bfloat16)
-                  for k in keys[1:3])
+  qkv = jax.random.normal(keys[0], (tokens, heads + 2 * kv_heads, head_dim), jnp.bfloat16)
   tables = jax.random.permutation(keys[3], pages)[:sequences * width].reshape(sequences, width)
   index = (tables.astype(jnp.int32), jnp.asarray(seq_lens, jnp.int32),
            jnp.asarray([0, *itertools.accumulate(q_lens)], jnp.int32))
 
   def inputs():
-    return (q, k_new, v_new, *(jax.random.normal(k, cache_shape, jnp.bfloat16)
-                               for k in keys[4:6]), *index)
+    return (qkv, *(jax.random.normal(k, cache_shape, jnp.bfloat16) for k in keys[2:4]), *index)
   return inputs
 
 
+# Where the paged inputs hold the caches.
+PAGED_CACHES = (1, 2)
+
+
 def _paged_attend(config, decode_only: bool = False):
-  def attend(q, k_new, v_new, k_pages, v_pages, tables, lens, starts, *, layer):
-    return ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, jnp.int32(layer), tables,
-                                  lens, starts, config=config, decode_only=decode_only,
-                                  interpret=INTERPRET)
+  def attend(qkv, k_pages, v_pages, tables, lens, starts, *, layer):
+    return ragged_paged_attention(qkv, k_pages, v_pages, jnp.int32(layer), tables, lens, starts,
+                                  config=config, decode_only=decode_only, interpret=INTERPRET)
   return attend
 
 
 def _paged_error(inputs, config, decode_only: bool = False) -> float:
   """Relative error of the kernel's attention against the jnp reference (fresh caches each)."""
-  q, k_new, v_new, k_pages, v_pages, *index = inputs()
-  out = ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, jnp.int32(0), *index,
-                               config=config, decode_only=decode_only, interpret=INTERPRET)[0]
-  return relative_error(out, ragged_paged_attention_reference(*inputs()[:5], 0, *index)[0])
+  qkv, k_pages, v_pages, *index = inputs()
+  out = ragged_paged_attention(qkv, k_pages, v_pages, jnp.int32(0), *index, config=config,
+                               decode_only=decode_only, interpret=INTERPRET)[0]
+  return relative_error(out, ragged_paged_attention_reference(*inputs()[:3], 0, *index)[0])
 
 
 def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes):
@@ -220,9 +224,11 @@ def paged_decode_rows(models, batches, cache_len: int, position: int, page_sizes
                                c.head_dim)
         # The decode specialization (what the engine's decode steps run), then the general
         # kernel on the same rows at its default.
-        timed = [(layers_us(_paged_attend(config, True), inputs(), c.num_layers), config)
+        timed = [(layers_us(_paged_attend(config, True), inputs(), c.num_layers,
+                            caches=PAGED_CACHES), config)
                  for config in PAGED_DECODE_CONFIGS]
-        general_us = layers_us(_paged_attend(PAGED_DECODE_CONFIGS[0]), inputs(), c.num_layers)
+        general_us = layers_us(_paged_attend(PAGED_DECODE_CONFIGS[0]), inputs(), c.num_layers,
+                               caches=PAGED_CACHES)
         default_us = timed[0][0]
         best_us, best = min(timed, key=lambda t: t[0])
         row = dict(kernel="ragged_paged_attention", phase="decode", model=model, batch=batch,
@@ -249,11 +255,11 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
   for seq in seq_lens:
     inputs = _paged_inputs(seq, 1, [seq] * batch, [seq] * batch, page_size,
                            -(-seq // page_size), heads, kv_heads, head_dim)
-    timed = [(layers_us(_paged_attend(config), inputs(), 1), config)
+    timed = [(layers_us(_paged_attend(config), inputs(), 1, caches=PAGED_CACHES), config)
              for config in PAGED_PREFILL_CONFIGS]
     best_us, best = min(timed, key=lambda t: t[0])
     # The flash kernel on the same tokens, [B, S, N, H] / [B, S, K, H].
-    q, k, v = (x.reshape(batch, seq, *x.shape[1:]) for x in inputs()[:3])
+    q, k, v = (x.reshape(batch, seq, *x.shape[1:]) for x in split_qkv(inputs()[0], kv_heads))
     lengths = jnp.full((batch,), seq, jnp.int32)
     flash_us, flash_config, _ = fastest(
         ((config, jax.jit(functools.partial(flash_attention, config=config,

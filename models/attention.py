@@ -15,10 +15,12 @@ parallelism, padded rows) with the same methods:
       one new token per row: q [B, N, H]; k, v [B, K, H] are written at (layer, b, positions[b])
       and q attends to keys 0..positions[b] of its row, the new one included. out [B, N, H]. A
       negative position marks an idle row: nothing is written and its output is zeros.
-  extend(q, k, v, positions, rows, k_all, v_all, layer) -> (out, k_all, v_all)
-      a chunk of C tokens per row at any cache offset: q [B, C, N, H]; k, v [B, C, K, H] are
-      written at (layer, rows[b], positions[b, c]) and each query attends to the keys of cache
-      row rows[b] up to its own position. Negative positions (padding) write nothing.
+  extend(qkv, positions, rows, k_all, v_all, layer) -> (out, k_all, v_all)
+      a chunk of C tokens per row at any cache offset, its heads as the fused QKV projection
+      leaves them: qkv [B, C, Z, J, H] (`split_heads` says where q, k and v lie: a kernel reads
+      them in place); k, v are written at (layer, rows[b], positions[b, c]) and each query
+      attends to the keys of cache row rows[b] up to its own position. Negative positions
+      (padding) write nothing. out [B, C, N, H].
 
 k_all, v_all are the stacked caches [L, B', T, K, H] (B' >= B). `layer` is a Python int (layers
 unrolled) or a traced int32 scalar (`lax.scan`). Shape letters: the README's table.
@@ -31,6 +33,23 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+
+def split_heads(qkv, kv_heads: int):
+  """The fused projection's heads apart: qkv [B, S, Z, J, H] (Z groups of J = (N + 2K) / Z heads,
+  each group's query heads, then its key heads, then its value heads: one group per tensor-
+  parallel shard) -> q [B, S, N, H], k, v [B, S, K, H], heads in group order."""
+  batch, seq, groups, _, head_dim = qkv.shape
+  kv = kv_heads // groups
+  queries = qkv.shape[3] - 2 * kv
+  parts = (qkv[..., :queries, :], qkv[..., queries:queries + kv, :], qkv[..., queries + kv:, :])
+  return tuple(x.reshape(batch, seq, -1, head_dim) for x in parts)
+
+
+def fuse_heads(q, k, v, groups: int):
+  """`split_heads` undone: q [..., N, H], k, v [..., K, H] -> [..., Z, J, H] for Z = `groups`."""
+  grouped = [x.reshape(*x.shape[:-2], groups, -1, x.shape[-1]) for x in (q, k, v)]
+  return jnp.concatenate(grouped, axis=-2)
 
 
 def softmax_attention(q, k, v, mask):
@@ -111,7 +130,8 @@ class XlaAttention:
     out = softmax_attention(q[:, None], k_all[layer, :batch], v_all[layer, :batch], mask)[:, 0]
     return jnp.where((positions >= 0)[:, None, None], out, 0), k_all, v_all
 
-  def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
+  def extend(self, qkv, positions, rows, k_all, v_all, layer):
+    q, k, v = split_heads(qkv, k_all.shape[3])
     k_all, v_all = write_chunk(k, v, positions, rows, k_all, v_all, layer)
     cache_len = k_all.shape[2]
     # [B, C, T]: keys of the row up to each query's position

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import XlaAttention
+from models.attention import XlaAttention, split_heads
 from models.config import DecoderConfig
 
 LAYER_WEIGHTS: tuple[str, ...] = (
@@ -98,18 +98,22 @@ def rope_cos_sin(positions, inv_freq):
   return jnp.cos(angles), jnp.sin(angles)
 
 
-def _apply_rope(x, positions, inv_freq):
-  """Rotate-half RoPE (Hugging Face Llama convention).
+def _apply_rope(qkv, positions, inv_freq, rotated: int):
+  """Rotate-half RoPE (Hugging Face Llama convention) on the first `rotated` heads of each group
+  of qkv (its queries and keys; the values pass unchanged), as one elementwise pass.
 
   Args:
-    x: [B, S, N, H]; positions: int32 [B, S]; inv_freq: f32 [H/2].
+    qkv: [B, S, Z, J, H] (`Decoder._layer`); positions: int32 [B, S]; inv_freq: f32 [H/2].
   """
-  # [B, S, 1, H]
-  cos, sin = (part[:, :, None, :] for part in rope_cos_sin(positions, inv_freq))
-  x32 = x.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  return (x32 * cos + rotated * sin).astype(x.dtype)
+  # [B, S, 1, 1, H]
+  cos, sin = (part[:, :, None, None, :] for part in rope_cos_sin(positions, inv_freq))
+  x32 = qkv.astype(jnp.float32)
+  half = qkv.shape[-1] // 2
+  turned = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  roped = (x32 * cos + turned * sin).astype(qkv.dtype)
+  # [J, 1]: the heads RoPE turns
+  head = jnp.arange(qkv.shape[3])[:, None]
+  return jnp.where(head < rotated, roped, qkv)
 
 
 def _matmul(x, w):
@@ -256,8 +260,9 @@ class Decoder(nnx.Module):
     Args:
       x: [B, S, D]; w: this layer's weights {kind: array}; positions: int32 [B, S].
       kv: the attention's cache state, passed through `attend` (None without a cache).
-      attend: attend(q [B, S, N, H], k [B, S, K, H], v [B, S, K, H], kv) -> (out [B, S, N, H],
-        kv), k and v after RoPE.
+      attend: attend(qkv [B, S, Z, J, H], kv) -> (out [B, S, N, H], kv): the fused projection's
+        heads after RoPE, Z = `shards` groups of J = (N + 2K) / Z heads, each group its own
+        query heads, then key heads, then value heads (`models.attention.split_heads`).
       shards: column groups of the QKV and gated MLP-in weights (1: the canonical layout; more:
         shard-major, each group holding its own heads' [q | k | v] and [gate | up]).
     Returns:
@@ -272,17 +277,13 @@ class Decoder(nnx.Module):
     # [B*S, (N + 2K) H]
     qkv = projection(flat, w["qkv_kernel"], norm=norm, norm_scale=w["attn_norm_scale"],
                      norm_bias=w.get("attn_norm_bias"), eps=c.norm_eps, bias=w.get("qkv_bias"))
-    q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    # [B*S, shards, per-shard [q | k | v] columns]
-    qkv = qkv.reshape(rows, shards, -1)
-    q_part, kv_part = q_width // shards, kv_width // shards
-    q = qkv[..., :q_part].reshape(batch, seq, c.num_heads, c.head_dim)
-    k = qkv[..., q_part:q_part + kv_part].reshape(batch, seq, c.num_kv_heads, c.head_dim)
-    v = qkv[..., q_part + kv_part:].reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    q_width = c.num_heads * c.head_dim
+    # [B, S, Z, J, H]: each shard group's [q | k | v] heads
+    qkv = qkv.reshape(batch, seq, shards, -1, c.head_dim)
     if c.uses_rope:
       inv_freq = jnp.asarray(rope_inverse_frequencies(c))
-      q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
-    attn, kv = attend(q, k, v, kv)
+      qkv = _apply_rope(qkv, positions, inv_freq, (c.num_heads + c.num_kv_heads) // shards)
+    attn, kv = attend(qkv, kv)
     flat = projection(attn.reshape(rows, q_width), w["out_kernel"], bias=w.get("out_bias"),
                       residual=flat)
     # [B*S, F]: act(h W + b), or act(gate) * up for the gated (SwiGLU) MLP
@@ -293,14 +294,15 @@ class Decoder(nnx.Module):
     return flat.reshape(batch, seq, hidden), kv
 
   def _layers(self, x, positions, cache: KVCache | None, attend, layer_loop: str, shards: int):
-    """Every layer over x [B, S, D]; attend(q, k, v, k_all, v_all, layer) -> (out, k_all, v_all)
-    updates the stacked cache (k_all, v_all None without one). Returns (x, k_all, v_all)."""
+    """Every layer over x [B, S, D]; attend(qkv, k_all, v_all, layer) -> (out, k_all, v_all)
+    (qkv [B, S, Z, J, H]: `_layer`) updates the stacked cache (k_all, v_all None without one).
+    Returns (x, k_all, v_all)."""
 
     def body(carry, w, layer):
       x, k_all, v_all = carry
 
-      def layer_attend(q, k, v, kv):
-        out, k_all, v_all = attend(q, k, v, *kv, layer)
+      def layer_attend(qkv, kv):
+        out, k_all, v_all = attend(qkv, *kv, layer)
         return out, (k_all, v_all)
 
       x, (k_all, v_all) = self._layer(x, w, positions, (k_all, v_all), layer_attend, shards)
@@ -320,7 +322,8 @@ class Decoder(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     lengths = jnp.full((batch,), seq, jnp.int32)
 
-    def attend(q, k, v, k_all, v_all, layer):
+    def attend(qkv, k_all, v_all, layer):
+      q, k, v = split_heads(qkv, self.config.num_kv_heads)
       return attention.causal(q, k, v, lengths), k_all, v_all
 
     x, _, _ = self._layers(self._embed(tokens, positions), positions, None, attend, layer_loop,
@@ -349,7 +352,8 @@ class Decoder(nnx.Module):
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
-    def attend(q, k, v, k_all, v_all, layer):
+    def attend(qkv, k_all, v_all, layer):
+      q, k, v = split_heads(qkv, self.config.num_kv_heads)
       return attention.prefill(q, k, v, lengths, k_all, v_all, layer)
 
     x, k_all, v_all = self._layers(self._embed(tokens, positions), positions, cache, attend,
@@ -371,8 +375,9 @@ class Decoder(nnx.Module):
       (hidden state [B, D] before the final norm, updated cache).
     """
 
-    def attend(q, k, v, k_all, v_all, layer):
+    def attend(qkv, k_all, v_all, layer):
       # q [B, 1, N, H]; k, v [B, 1, K, H] -> cache[layer, b, positions[b]]
+      q, k, v = split_heads(qkv, self.config.num_kv_heads)
       out, k_all, v_all = attention.decode(q[:, 0], k[:, 0], v[:, 0], positions, k_all, v_all,
                                            layer)
       return out[:, None], k_all, v_all
@@ -394,8 +399,8 @@ class Decoder(nnx.Module):
       (hidden states [B, C, D] before the final norm, updated cache).
     """
 
-    def attend(q, k, v, k_all, v_all, layer):
-      return attention.extend(q, k, v, positions, rows, k_all, v_all, layer)
+    def attend(qkv, k_all, v_all, layer):
+      return attention.extend(qkv, positions, rows, k_all, v_all, layer)
 
     x = self._embed(tokens, jnp.maximum(positions, 0))
     x, k_all, v_all = self._layers(x, jnp.maximum(positions, 0), cache, attend, layer_loop,

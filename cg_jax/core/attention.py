@@ -37,7 +37,7 @@ from cg_jax.core.config import ForwardConfig
 from cg_jax.kernels.flash_attention import FlashAttentionConfig, flash_attention
 from cg_jax.kernels.ragged_paged_attention import (PREFILL, RaggedPagedAttentionConfig,
                                                    ragged_paged_attention, token_positions)
-from models.attention import XlaAttention
+from models.attention import XlaAttention, fuse_heads, split_heads
 
 
 def interpret_pallas() -> bool:
@@ -151,10 +151,10 @@ class PagedAttention:
     batch, size, heads, head_dim = q.shape
     # A [B, S] grid of right-padded rows: regions of S tokens, counts[b] of them real.
     region_starts = jnp.arange(batch + 1, dtype=jnp.int32) * size
-    # [B, S, N, H] -> [B S, N, H]
-    flat = lambda x: x.reshape(batch * size, *x.shape[2:])  # noqa: E731
-    out, k_all, v_all = self.ragged(flat(q), flat(k), flat(v), k_all, v_all, layer,
-                                    starts + counts, region_starts, counts, config, decode_only)
+    # [B S, Z, J, H]
+    qkv = fuse_heads(q, k, v, self._groups).reshape(batch * size, self._groups, -1, head_dim)
+    out, k_all, v_all = self.ragged(qkv, k_all, v_all, layer, starts + counts, region_starts,
+                                    counts, config, decode_only)
     return out.reshape(batch, size, heads, head_dim), k_all, v_all
 
   def _write_blocks(self, k, v, lengths, k_all, v_all, layer):
@@ -182,37 +182,46 @@ class PagedAttention:
     return (k_all.at[layer, table].set(blocks(k), mode="drop", unique_indices=True),
             v_all.at[layer, table].set(blocks(v), mode="drop", unique_indices=True))
 
-  def ragged(self, q, k, v, k_all, v_all, layer, seq_lens, query_starts, query_lens, config,
+  @property
+  def _groups(self) -> int:
+    """Z: the head groups of the fused heads (one per tensor-parallel device)."""
+    return 1 if self.mesh is None else self.mesh.size
+
+  def ragged(self, qkv, k_all, v_all, layer, seq_lens, query_starts, query_lens, config,
              decode_only=False):
-    """`ragged_paged_attention` of a flat batch q [A, N, H], k, v [A, K, H] over this call's
-    tables, per device on its heads under tensor parallelism; `ragged_attention_xla` without
-    the kernel."""
+    """`ragged_paged_attention` of a flat batch qkv [A, Z, J, H] (the fused heads,
+    `models.attention.split_heads`) over this call's tables, per device on its group of heads
+    under tensor parallelism; `ragged_attention_xla` without the kernel. out [A, N, H]."""
     layer = jnp.asarray(layer, jnp.int32)
     if not self.kernel:
+      q, k, v = (x[0] for x in split_heads(qkv[None], k_all.shape[3]))
       return ragged_attention_xla(q, k, v, k_all, v_all, layer, self.tables, seq_lens,
                                   query_starts, query_lens)
     mesh = self.mesh
-    heads_spec = None if mesh is None else _heads(mesh, 3, 1)
+    groups = None if mesh is None else _heads(mesh, 4, 1)
+    heads = None if mesh is None else _heads(mesh, 3, 1)
     cache = None if mesh is None else _heads(mesh, 5, 3)
 
-    def kernel(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts, query_lens):
-      return ragged_paged_attention(q, k, v, k_all, v_all, layer, tables, seq_lens, query_starts,
+    def kernel(qkv, k_all, v_all, layer, tables, seq_lens, query_starts, query_lens):
+      # [A, 1, J, H] (this device's group) -> [A, J, H]
+      fused = qkv.reshape(qkv.shape[0], -1, qkv.shape[-1])
+      return ragged_paged_attention(fused, k_all, v_all, layer, tables, seq_lens, query_starts,
                                     query_lens, config=config, decode_only=decode_only,
                                     interpret=self.interpret)
 
-    return _per_device(kernel, mesh, (heads_spec,) * 3 + (cache, cache) + (P(),) * 5,
-                       (heads_spec, cache, cache))(
-        q, k, v, k_all, v_all, layer, self.tables, seq_lens, query_starts, query_lens)
+    return _per_device(kernel, mesh, (groups, cache, cache) + (P(),) * 5, (heads, cache, cache))(
+        qkv, k_all, v_all, layer, self.tables, seq_lens, query_starts, query_lens)
 
 
 @dataclasses.dataclass(frozen=True)
 class RaggedAttention:
   """The attention of an engine step (`cg_jax.core.steps`): the model sees one row of A tokens
-  (`extend`, q [1, A, N, H]) that holds R requests end to end: request r's query_lens[r] tokens
-  start at query_starts[r] and sit at positions seq_lens[r] - query_lens[r] .. seq_lens[r] - 1
-  of its block table `paged.tables[r]`, attending causally to its cached keys and to each
-  other; tokens past query_starts[R] are padding (zeros out, nothing written). Int32 [R + 1],
-  [R], [R] arrays (traced); `config`: the kernel's block config for this step's bucket."""
+  (`extend`, qkv [1, A, Z, J, H]) that holds R requests end to end: request r's query_lens[r]
+  tokens start at query_starts[r] and sit at positions seq_lens[r] - query_lens[r] ..
+  seq_lens[r] - 1 of its block table `paged.tables[r]`, attending causally to its cached keys
+  and to each other; tokens past query_starts[R] are padding (zeros out, nothing written).
+  Int32 [R + 1], [R], [R] arrays (traced); `config`: the kernel's block config for this step's
+  bucket."""
 
   paged: PagedAttention
   query_starts: Any
@@ -220,9 +229,9 @@ class RaggedAttention:
   seq_lens: Any
   config: RaggedPagedAttentionConfig = PREFILL
 
-  def extend(self, q, k, v, positions, rows, k_all, v_all, layer):
-    # q [1, A, N, H]; k, v [1, A, K, H]; positions and rows: the metadata above says it all.
-    out, k_all, v_all = self.paged.ragged(q[0], k[0], v[0], k_all, v_all, layer, self.seq_lens,
+  def extend(self, qkv, positions, rows, k_all, v_all, layer):
+    # qkv [1, A, Z, J, H]; positions and rows: the metadata above says it all.
+    out, k_all, v_all = self.paged.ragged(qkv[0], k_all, v_all, layer, self.seq_lens,
                                           self.query_starts, self.query_lens, self.config)
     return out[None], k_all, v_all
 

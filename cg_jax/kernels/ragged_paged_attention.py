@@ -9,7 +9,9 @@ layout query_starts = S r). Its cache holds seq_lens[r] positions after this cal
 tokens being the last of them, so query token i sits at position seq_lens[r] - q_len + i and
 attends causally to positions 0 .. its own. Position p of
 sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cache
-[L, M, C, K, H] (one layer of it is attended, `layer`).
+[L, M, C, K, H] (one layer of it is attended, `layer`). The tokens' queries, keys and values
+come as one array, qkv [A, N + 2K, H] (N query heads, then K key and K value heads: the fused
+QKV projection's output after RoPE), read in place: no slices of it are copied first.
 
   1. Tiles. Each sequence's query tokens are cut into tiles of Q tokens (a tile never holds two
      sequences; `tile_layout`, plain jnp). One Triton program runs per (tile, KV head, split):
@@ -18,7 +20,7 @@ sequence r lives in slot p % C of block block_tables[r, p // C] of the paged cac
   2. Keys. A program walks its split of the positions below the tile's last position with an
      online softmax, in two loops: the keys before the sequence's first query position from the
      pages, in blocks of `block_k` (at multiples of block_k, a divisor of C, so a block lies in
-     one page), then the query tokens' own keys from k_new / v_new as contiguous windows of
+     one page), then the query tokens' own keys from qkv as contiguous windows of
      tokens (gathered rows when A < block_k, in one block of A rounded up to a power of two).
      Blocks that every row of the tile sees whole (the cached keys, the own keys before the
      tile's first token) load unmasked and skip the mask; only a loop's last blocks are masked.
@@ -95,26 +97,23 @@ class RaggedPagedAttentionConfig:
 PREFILL = RaggedPagedAttentionConfig(tile_rows=64, block_k=64)
 
 
-def _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts,
-           query_lens) -> None:
+def _check(qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens) -> None:
   """Raises ValueError naming the argument and the shapes for inconsistent inputs."""
-  shapes = (f"q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, k_pages {tuple(k_pages.shape)}, "
+  shapes = (f"qkv {tuple(qkv.shape)}, k_pages {tuple(k_pages.shape)}, "
             f"block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}, "
             f"query_starts {tuple(query_starts.shape)}, query_lens {tuple(query_lens.shape)}")
-  if q.ndim != 3:
-    raise ValueError(f"q must be [A, N, H]; got {shapes}")
+  if qkv.ndim != 3:
+    raise ValueError(f"qkv must be [A, N + 2K, H]; got {shapes}")
   if k_pages.ndim != 5 or v_pages.shape != k_pages.shape:
     raise ValueError(f"k_pages and v_pages must be [L, M, C, K, H] alike; got {shapes}, "
                      f"v_pages {tuple(v_pages.shape)}")
-  tokens, heads, head_dim = q.shape
   kv_heads = k_pages.shape[3]
-  if k_pages.shape[4] != head_dim:
-    raise ValueError(f"k_pages head_dim must equal q's; got {shapes}")
-  if kv_heads < 1 or heads % kv_heads:
-    raise ValueError(f"q heads must be a multiple of the pages' KV heads (GQA); got {shapes}")
-  if k_new.shape != (tokens, kv_heads, head_dim) or v_new.shape != k_new.shape:
-    raise ValueError(f"k_new and v_new must be [A, K, H] = {(tokens, kv_heads, head_dim)}; got "
-                     f"{shapes}, v_new {tuple(v_new.shape)}")
+  heads = qkv.shape[1] - 2 * kv_heads
+  if k_pages.shape[4] != qkv.shape[2]:
+    raise ValueError(f"k_pages head_dim must equal qkv's; got {shapes}")
+  if kv_heads < 1 or heads < kv_heads or heads % kv_heads:
+    raise ValueError(f"qkv must hold N query heads, a multiple of the pages' K KV heads, then K "
+                     f"key and K value heads (N + 2K); got {shapes}")
   if block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1] or (
       query_starts.shape != (block_tables.shape[0] + 1,)) or (
       query_lens.shape != seq_lens.shape):
@@ -124,9 +123,15 @@ def _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_star
                       ("query_starts", query_starts), ("query_lens", query_lens)):
     if not jnp.issubdtype(array.dtype, jnp.integer):
       raise ValueError(f"{name} must be an integer array; got dtype {array.dtype}")
-  if not (q.dtype == k_pages.dtype == v_pages.dtype):
-    raise ValueError(f"q, k_pages and v_pages must share a dtype; got q {q.dtype}, k_pages "
+  if not (qkv.dtype == k_pages.dtype == v_pages.dtype):
+    raise ValueError(f"qkv, k_pages and v_pages must share a dtype; got qkv {qkv.dtype}, k_pages "
                      f"{k_pages.dtype}, v_pages {v_pages.dtype}")
+
+
+def split_qkv(qkv, kv_heads: int):
+  """qkv [..., N + 2K, H] -> (q [..., N, H], k [..., K, H], v [..., K, H])."""
+  heads = qkv.shape[-2] - 2 * kv_heads
+  return qkv[..., :heads, :], qkv[..., heads:heads + kv_heads, :], qkv[..., heads + kv_heads:, :]
 
 
 def _query_lens(query_starts, query_lens):
@@ -290,15 +295,21 @@ def _store(out_refs, carry, valid, stored, token_at, head_at, split_index) -> No
   pltriton.store(denom_ref.at[token_at, split_index, head_at], denom, mask=stored)
 
 
-def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, q_ref, k_new_ref, v_new_ref,
-                   k_pages_ref, v_pages_ref, *out_refs, sm_scale: float, rows: int, group: int,
-                   block_k: int, split: int):
+def _new_heads(heads: int, kv_heads: int, kv_head):
+  """Where KV head `kv_head`'s new key and value lie among the fused heads of qkv [A, N + 2K, H]:
+  (N + kv_head, N + K + kv_head)."""
+  return heads + kv_head, heads + kv_heads + kv_head
+
+
+def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref,
+                   *out_refs, sm_scale: float, rows: int, group: int, block_k: int, split: int,
+                   heads: int):
   """One (sequence, KV head, split) program of a decode-only call: sequence r's one query token
   (if q_lens[r] > 0) is token r, at position seq_lens[r] - 1. Refs as `_kernel`'s, without the
   tile layout and query_starts."""
   *out_refs, k_out_ref, v_out_ref = out_refs
   num_blocks_table = tables_ref.shape[1]
-  head_dim = q_ref.shape[2]
+  head_dim = qkv_ref.shape[2]
   page_size = k_pages_ref.shape[2]
   seq, kv_head, split_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = layer_ref[0]
@@ -312,8 +323,9 @@ def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, q_ref, k_new_ref
   token = jnp.full((rows,), seq, jnp.int32)
   dims = jnp.arange(head_dim)
   # [rows, H]
-  query = pltriton.load(q_ref.at[token[:, None], head[:, None], dims[None, :]],
+  query = pltriton.load(qkv_ref.at[token[:, None], head[:, None], dims[None, :]],
                         mask=(stored & active)[:, None], other=0.0)
+  key_head, value_head = _new_heads(heads, k_pages_ref.shape[3], kv_head)
   split_start = split_index * split
   carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
@@ -325,8 +337,8 @@ def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, q_ref, k_new_ref
   # The token's own key, in the split that holds its position: one key, elementwise.
   own = active & (position >= split_start) & (position < split_start + split)
   # [H]
-  key, value = (pltriton.load(ref.at[seq, kv_head, :]).astype(jnp.float32)
-                for ref in (k_new_ref, v_new_ref))
+  key, value = (pltriton.load(qkv_ref.at[seq, at, :]).astype(jnp.float32)
+                for at in (key_head, value_head))
   # [rows]
   score = jnp.sum(query.astype(jnp.float32) * key[None, :], axis=1) * sm_scale
   new_max = jnp.where(own, jnp.maximum(row_max, score), row_max)
@@ -335,31 +347,30 @@ def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, q_ref, k_new_ref
   prob = jnp.where(own, jnp.exp(score - safe_max), 0.0)
   acc = acc * rescale[:, None] + prob[:, None] * value[None, :]
   denom, row_max = denom * rescale + prob, new_max
-  head_at = jnp.where(stored, head, q_ref.shape[1])  # rows past the group: dropped
+  head_at = jnp.where(stored, head, heads)  # rows past the group: dropped
   _store(out_refs, (acc, row_max, denom), stored & active, stored, token, head_at, split_index)
 
   @pl.when((split_index == 0) & active)
   def _write_new():
     page = tables_ref[seq, jnp.clip(position // page_size, 0, num_blocks_table - 1)]
     slot = position % page_size
-    for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
+    for at, out_ref in ((key_head, k_out_ref), (value_head, v_out_ref)):
       pltriton.store(out_ref.at[layer, page, slot, kv_head, :],
-                     pltriton.load(new_ref.at[seq, kv_head, :]).astype(out_ref.dtype))
+                     pltriton.load(qkv_ref.at[seq, at, :]).astype(out_ref.dtype))
 
 
 def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tables_ref, layer_ref,
-            q_ref,
-            k_new_ref, v_new_ref, k_pages_ref, v_pages_ref, *out_refs, sm_scale: float,
-            tile_tokens: int, padded_group: int, group: int, block_k: int, split: int):
+            qkv_ref, k_pages_ref, v_pages_ref, *out_refs, sm_scale: float, tile_tokens: int,
+            padded_group: int, group: int, block_k: int, split: int, heads: int):
   """One (tile, KV head, split) program. Every ref is a whole array (indexed in place):
   tile_seq_ref, tile_start_ref [X]; starts_ref [R + 1]; q_lens_ref, lens_ref [R]; tables_ref
   [R, W];
-  layer_ref [1]; q_ref [A, N, H]; k_new_ref, v_new_ref [A, K, H]; k_pages_ref, v_pages_ref
-  [L, M, C, K, H]. Outputs: with one split out_ref [A, N, H], with several the partials
+  layer_ref [1]; qkv_ref [A, N + 2K, H] (queries, keys, values: `_new_heads`); k_pages_ref,
+  v_pages_ref [L, M, C, K, H]. Outputs: with one split out_ref [A, N, H], with several the partials
   acc_ref [A, splits, N, H] f32 and max_ref, denom_ref [A, splits, N] f32; then the aliased
   pages."""
   *out_refs, k_out_ref, v_out_ref = out_refs
-  tokens, _, head_dim = q_ref.shape
+  tokens, _, head_dim = qkv_ref.shape
   sequences = lens_ref.shape[0]
   num_blocks_table = tables_ref.shape[1]
   page_size = k_pages_ref.shape[2]
@@ -395,7 +406,7 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   tile_keys = jnp.where(active, jnp.minimum(seq_len, first_position + tile_start - q_begin
                                             + tile_tokens), 0)
   # This split's keys: positions [split_start, split_end) below tile_keys, those before the
-  # first query position from the pages, the others from k_new (one loop each).
+  # first query position from the pages, the others from qkv (one loop each).
   split_start = split_index * split
   split_end = split_start + split
   cached_end = jnp.minimum(jnp.minimum(first_position, tile_keys), split_end)
@@ -403,7 +414,8 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   new_end = jnp.minimum(tile_keys, split_end)
 
   # [Q G_pad, H]
-  query = pltriton.load(q_ref.at[row_token_at[:, None], row_head[:, None], dims[None, :]],
+  key_head, value_head = _new_heads(heads, k_pages_ref.shape[3], kv_head)
+  query = pltriton.load(qkv_ref.at[row_token_at[:, None], row_head[:, None], dims[None, :]],
                         mask=row_valid[:, None], other=0.0)
 
   def online(carry, keys, values, visible=None):
@@ -416,14 +428,14 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   carry = _cached_keys(initial, query, tables_ref, k_pages_ref, v_pages_ref, layer, seq,
                        kv_head, split_start, cached_end, block_k, sm_scale)
 
-  # Loop 2: the call's own keys, from k_new / v_new. Keys below the tile's first position are
+  # Loop 2: the call's own keys, from qkv. Keys below the tile's first position are
   # seen by every row (interior blocks: contiguous token windows, unmasked); the blocks from
   # there on are masked causally.
   def own_block(block_start, masked: bool, size: int):
     token = q_begin + block_start - first_position  # the block's first key among the tokens
     if not masked:
-      keys, values = (pltriton.load(ref.at[pl.ds(token, size), kv_head, :])
-                      for ref in (k_new_ref, v_new_ref))
+      keys, values = (pltriton.load(qkv_ref.at[pl.ds(token, size), at, :])
+                      for at in (key_head, value_head))
       return keys, values, None
     block_end = jnp.minimum(block_start + size, new_end)
     if tokens >= size:
@@ -433,16 +445,16 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
       # [size]
       position = first_position + window - q_begin + jnp.arange(size)
       valid = (position >= block_start) & (position < block_end)
-      keys, values = (pltriton.load(ref.at[pl.ds(window, size), kv_head, :],
+      keys, values = (pltriton.load(qkv_ref.at[pl.ds(window, size), at, :],
                                     mask=valid[:, None], other=0.0)
-                      for ref in (k_new_ref, v_new_ref))
+                      for at in (key_head, value_head))
     else:  # fewer tokens than a block: gathered rows
       position = block_start + jnp.arange(size)
       valid = position < block_end
       at = jnp.where(valid, token + jnp.arange(size), tokens)
-      keys, values = (pltriton.load(ref.at[at[:, None], kv_head, dims[None, :]],
+      keys, values = (pltriton.load(qkv_ref.at[at[:, None], head, dims[None, :]],
                                     mask=valid[:, None], other=0.0)
-                      for ref in (k_new_ref, v_new_ref))
+                      for head in (key_head, value_head))
     visible = (position[None, :] <= row_position[:, None]) & valid[None, :]
     return keys, values, visible
 
@@ -478,9 +490,9 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
     page = jnp.where(valid, page, k_out_ref.shape[1])
     slot = position % page_size
     token_at = jnp.where(valid, token, 0)
-    for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
+    for at, out_ref in ((key_head, k_out_ref), (value_head, v_out_ref)):
       # [Q, H]
-      new = pltriton.load(new_ref.at[token_at[:, None], kv_head, dims[None, :]],
+      new = pltriton.load(qkv_ref.at[token_at[:, None], at, dims[None, :]],
                           mask=valid[:, None], other=0.0)
       pltriton.store(out_ref.at[layer, page[:, None], slot[:, None], kv_head, dims[None, :]],
                      new.astype(out_ref.dtype), mask=valid[:, None])
@@ -488,16 +500,17 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "decode_only", "interpret"),
                    donate_argnames=("k_pages", "v_pages"))
-def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_tables, seq_lens,
-                           query_starts, query_lens=None, *, sm_scale: float | None = None,
+def ragged_paged_attention(qkv, k_pages, v_pages, layer, block_tables, seq_lens, query_starts,
+                           query_lens=None, *, sm_scale: float | None = None,
                            config: RaggedPagedAttentionConfig = RaggedPagedAttentionConfig(),
                            decode_only: bool = False, interpret: bool = False):
   """Attention of a flat batch of query tokens over their sequences' pages (module docstring),
   writing the tokens' keys and values into the pages in place.
 
   Args:
-    q: [A, N, H] query tokens, float32 or bfloat16; H a power of two >= 16.
-    k_new, v_new: [A, K, H] their keys and values (cast to the pages' dtype).
+    qkv: [A, N + 2K, H] the tokens' N query heads, then their K keys and K values (as the fused
+      QKV projection leaves them: read in place, no slices), the pages' dtype, float32 or
+      bfloat16; H a power of two >= 16.
     k_pages, v_pages: [L, M, C, K, H] the paged cache, donated; C a power of two >= 16.
     layer: int32 scalar, the layer attended and written.
     block_tables: int32 [R, W]; seq_lens: int32 [R], each <= W C; query_starts: int32 [R + 1],
@@ -511,18 +524,19 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
       (sequence, KV head, split), no tile layout, the token's own key folded in elementwise.
     interpret: run in the Pallas interpreter (CPU tests).
   Returns:
-    (out [A, N, H] in q's dtype, zeros for padding tokens; k_pages; v_pages).
+    (out [A, N, H] in qkv's dtype, zeros for padding tokens; k_pages; v_pages).
   """
   query_starts = query_starts.astype(jnp.int32)
   query_lens = _query_lens(query_starts, query_lens)
-  _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
-  tokens, heads, head_dim = q.shape
+  _check(qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
+  tokens, _, head_dim = qkv.shape
   page_size, kv_heads = k_pages.shape[2], k_pages.shape[3]
-  if q.dtype not in _KERNEL_DTYPES:
-    raise ValueError(f"q dtype must be float32 or bfloat16 for the kernel; got {q.dtype}")
+  heads = qkv.shape[1] - 2 * kv_heads
+  if qkv.dtype not in _KERNEL_DTYPES:
+    raise ValueError(f"qkv dtype must be float32 or bfloat16 for the kernel; got {qkv.dtype}")
   if not is_power_of_two(head_dim) or head_dim < MIN_DOT_DIM:
-    raise ValueError(f"q head_dim must be a power of two >= {MIN_DOT_DIM} for the kernel; got q "
-                     f"{tuple(q.shape)} (use ragged_paged_attention_reference)")
+    raise ValueError(f"qkv head_dim must be a power of two >= {MIN_DOT_DIM} for the kernel; got "
+                     f"qkv {tuple(qkv.shape)} (use ragged_paged_attention_reference)")
   block_k = min(config.block_k, page_size)
   if not is_power_of_two(page_size) or page_size < MIN_DOT_DIM:
     raise ValueError(f"the page size C must be a power of two >= {MIN_DOT_DIM} for the kernel; "
@@ -535,17 +549,16 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
 
   positions = block_tables.shape[1] * page_size
   index = [seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-           jnp.asarray(layer, jnp.int32).reshape(1), q, k_new.astype(k_pages.dtype),
-           v_new.astype(v_pages.dtype), k_pages, v_pages]
+           jnp.asarray(layer, jnp.int32).reshape(1), qkv, k_pages, v_pages]
   if decode_only:
     if tokens != block_tables.shape[0]:
-      raise ValueError(f"decode_only needs one token per sequence (A = R); got q "
-                       f"{tuple(q.shape)}, block_tables {tuple(block_tables.shape)}")
+      raise ValueError(f"decode_only needs one token per sequence (A = R); got qkv "
+                       f"{tuple(qkv.shape)}, block_tables {tuple(block_tables.shape)}")
     programs = tokens
     split, num_splits = split_layout(programs, kv_heads, positions, config, block_k)
     kernel = functools.partial(_decode_kernel, sm_scale=float(sm_scale),
                                rows=max(MIN_DOT_DIM, padded_group), group=group,
-                               block_k=block_k, split=split)
+                               block_k=block_k, split=split, heads=heads)
     operands = [query_lens, *index]
   else:
     tile_seq, tile_start = tile_layout(query_starts, tokens, tile_tokens)
@@ -553,14 +566,14 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
     split, num_splits = split_layout(programs, kv_heads, positions, config, block_k)
     kernel = functools.partial(_kernel, sm_scale=float(sm_scale), tile_tokens=tile_tokens,
                                padded_group=padded_group, group=group, block_k=block_k,
-                               split=split)
+                               split=split, heads=heads)
     operands = [tile_seq, tile_start, query_starts, query_lens, *index]
 
   def whole(shape):  # the whole array as every program's block (indexed in the kernel)
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
   if num_splits == 1:
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((tokens, heads, head_dim), qkv.dtype)]
   else:
     # The partials with the splits beside the rows, as _combine_splits takes them.
     out_shape = [jax.ShapeDtypeStruct((tokens, num_splits, heads, head_dim), jnp.float32),
@@ -585,12 +598,12 @@ def ragged_paged_attention(q, k_new, v_new, k_pages, v_pages, layer, block_table
     out = result[0]
   else:
     out = _combine_splits(*result)
-  return out.astype(q.dtype), k_pages, v_pages
+  return out.astype(qkv.dtype), k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",), donate_argnames=("k_pages", "v_pages"))
-def ragged_paged_attention_reference(q, k_new, v_new, k_pages, v_pages, layer, block_tables,
-                                     seq_lens, query_starts, query_lens=None, *,
+def ragged_paged_attention_reference(qkv, k_pages, v_pages, layer, block_tables, seq_lens,
+                                     query_starts, query_lens=None, *,
                                      sm_scale: float | None = None):
   """`ragged_paged_attention` in plain jnp: the tokens' keys and values scattered into their
   pages, then masked float32 softmax attention over each token's gathered block table (memory
@@ -598,9 +611,10 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_pages, v_pages, layer, b
   and head_dim."""
   query_starts = query_starts.astype(jnp.int32)
   query_lens = _query_lens(query_starts, query_lens)
-  _check(q, k_new, v_new, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
-  tokens, heads, head_dim = q.shape
+  _check(qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
   _, num_pages, page_size, kv_heads, _ = k_pages.shape
+  q, k_new, v_new = split_qkv(qkv, kv_heads)
+  tokens, heads, head_dim = q.shape
   sequences, width = block_tables.shape
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)

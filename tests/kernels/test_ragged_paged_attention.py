@@ -98,6 +98,12 @@ def _inputs(case: Case, seed: int = 0, layers: int = 2, width: int = 4):
   return arrays, index
 
 
+def _fused(arrays):
+  """The kernel's arguments: q, k_new and v_new as one array qkv [A, N + 2K, H], and the pages."""
+  qkv = jnp.concatenate([arrays["q"], arrays["k_new"], arrays["v_new"]], axis=1)
+  return dict(qkv=qkv, k_pages=arrays["k_pages"], v_pages=arrays["v_pages"])
+
+
 def _expected(case: Case, arrays, index, layer: int):
   """float64: each sequence's keys (pages before its first query position, the new keys
   after), causal attention of its query tokens; and the pages with the new keys written."""
@@ -129,10 +135,10 @@ def test_matches_float64_attention_and_writes_only_the_new_slots(case, kernel):
   layer = 1
   want, want_k, want_v = _expected(case, arrays, index, layer)
   if kernel == "pallas":
-    got = ragged_paged_attention(**arrays, layer=jnp.int32(layer), **index, config=case.config,
-                                 decode_only=case.decode_only, interpret=True)
+    got = ragged_paged_attention(**_fused(arrays), layer=jnp.int32(layer), **index,
+                                 config=case.config, decode_only=case.decode_only, interpret=True)
   elif kernel == "reference":
-    got = ragged_paged_attention_reference(**arrays, layer=layer, **index)
+    got = ragged_paged_attention_reference(**_fused(arrays), layer=layer, **index)
   else:  # the engine's XLA path (blocks of keys in a loop), query_lens always given
     lens = index.get("query_lens", jnp.diff(index["query_starts"]))
     got = jax.jit(ragged_attention_xla)(
@@ -155,7 +161,7 @@ def test_several_splits_and_one_split_agree():
   outs = []
   for config in (SPLITS, ONE_SPLIT):
     arrays, index = _inputs(case, seed=3)  # fresh pages: the call donates them
-    outs.append(np.asarray(ragged_paged_attention(**arrays, layer=jnp.int32(0), **index,
+    outs.append(np.asarray(ragged_paged_attention(**_fused(arrays), layer=jnp.int32(0), **index,
                                                   config=config, interpret=True)[0]))
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
@@ -180,7 +186,8 @@ def test_tiles_cover_every_token_once_and_never_two_sequences(q_lens, tokens, ti
 
 def _specs(case: Case):
   arrays, index = _inputs(case)
-  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in {**arrays, **index}.items()}
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+          for k, v in {**_fused(arrays), **index}.items()}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -190,10 +197,10 @@ def test_lowers_to_triton_for_h200(dtype, decode_only):
   case = Case(dtype, 32, 8, q_lens, (500, 1000, 0), head_dim=64,
               padding=0 if decode_only else 3, config=RaggedPagedAttentionConfig())
   s = _specs(case)
-  order = ("q", "k_new", "v_new", "k_pages", "v_pages")
+  order = ("qkv", "k_pages", "v_pages")
   text = lower_for_h200(
-      lambda q, kn, vn, kp, vp, layer, bt, sl, qs: ragged_paged_attention(
-          q, kn, vn, kp, vp, layer, bt, sl, qs, decode_only=decode_only),
+      lambda qkv, kp, vp, layer, bt, sl, qs: ragged_paged_attention(
+          qkv, kp, vp, layer, bt, sl, qs, decode_only=decode_only),
       *(s[k] for k in order), jax.ShapeDtypeStruct((), jnp.int32),
       s["block_tables"], s["seq_lens"], s["query_starts"])
   assert "custom_call @__gpu$xla.gpu.triton" in text
@@ -201,16 +208,17 @@ def test_lowers_to_triton_for_h200(dtype, decode_only):
 
 
 def test_bad_inputs_raise_naming_the_argument():
-  arrays, index = _inputs(CASES[0])
+  arrays = _fused(_inputs(CASES[0])[0])
+  index = _inputs(CASES[0])[1]
   call = functools.partial(ragged_paged_attention, layer=jnp.int32(0), interpret=True)
-  with pytest.raises(ValueError, match=r"k_new and v_new must be \[A, K, H\]"):
-    call(**dict(arrays, k_new=arrays["k_new"][:-1]), **index)
+  with pytest.raises(ValueError, match=r"qkv must be \[A, N \+ 2K, H\]"):
+    call(**dict(arrays, qkv=arrays["qkv"][0]), **index)
   with pytest.raises(ValueError, match=r"query_starts \[R \+ 1\]"):
     call(**arrays, **dict(index, query_starts=index["query_starts"][:-1]))
   with pytest.raises(ValueError, match="share a dtype"):
-    call(**dict(arrays, q=arrays["q"].astype(jnp.bfloat16)), **index)
-  with pytest.raises(ValueError, match="multiple of the pages' KV heads"):
-    call(**dict(arrays, q=arrays["q"][:, :3]), **index)
+    call(**dict(arrays, qkv=arrays["qkv"].astype(jnp.bfloat16)), **index)
+  with pytest.raises(ValueError, match="multiple of the pages' K KV heads"):
+    call(**dict(arrays, qkv=arrays["qkv"][:, :7]), **index)
   small = dict(arrays, k_pages=arrays["k_pages"][:, :, :8], v_pages=arrays["v_pages"][:, :, :8])
   with pytest.raises(ValueError, match="page size C must be a power of two >= 16"):
     call(**small, **index)
