@@ -20,17 +20,19 @@ from cg_jax import Engine, profile  # noqa: E402
 model, tag = sys.argv[1], sys.argv[2]
 U = int(os.environ.get("U", 32))
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8,32").split(",")]
-PROMPT, MAXLEN, NEW = (int(os.environ.get(k, d)) for k, d in (("PROMPT", 512), ("MAXLEN", 1024), ("NEW", 128)))
+PROMPT, MAXLEN, NEW = (int(os.environ.get(k, d))
+                       for k, d in (("PROMPT", 512), ("MAXLEN", 1024), ("NEW", 128)))
 buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= U)
 t0 = time.perf_counter()
 extra = {"kv_blocks": int(os.environ["KV_BLOCKS"])} if os.environ.get("KV_BLOCKS") else {}
-e = Engine.from_pretrained(model, max_seq_len=MAXLEN, batch_buckets=buckets, compilation_cache=os.environ.get("CACHE") or False,
-                          **extra)
+e = Engine.from_pretrained(model, max_seq_len=MAXLEN, batch_buckets=buckets,
+                           compilation_cache=os.environ.get("CACHE") or False, **extra)
 loaded = time.perf_counter() - t0
 times = e.warmup(progress=False)
 ready = time.perf_counter() - t0
 out = {"tag": tag, "U": U, "kv_blocks": e.config.num_blocks, "load_s": loaded, "ready_s": ready,
-       "compile_s": sorted(((str(k), round(v, 1)) for k, v in times.items()), key=lambda kv: -kv[1])}
+       "compile_s": sorted(((str(k), round(v, 1)) for k, v in times.items()),
+                           key=lambda kv: -kv[1])}
 rng = np.random.default_rng(0)
 vocab = min(1000, e.model_config.vocab_size)
 for batch in BATCHES:
@@ -42,7 +44,8 @@ for batch in BATCHES:
   row = {k: statistics.median(s[k] for s in stats) * 1e3
          for k in ("ttft_s", "ttft_s_last", "per_token_s")}
   row["tokens_per_s"] = statistics.median(s["tokens_per_s"] for s in stats)
-  row["step_us"] = profile.time_decode(e, batch, position=PROMPT + NEW // 2, steps=32, repeats=5)["step_us"]
+  row["step_us"] = profile.time_decode(e, batch, position=PROMPT + NEW // 2, steps=32,
+                                       repeats=5)["step_us"]
   report, _ = profile.profile_decode(e, batch, position=PROMPT + NEW // 2, steps=10)
   row["kernels_per_step"] = report.kernels_per_step
   row["gpu_busy_us"] = report.gpu_busy_us

@@ -3,12 +3,12 @@
 what a client sees.
 
 How: `--num-requests` prompts of random token ids (drawn in [1, --vocab-size), their lengths
-uniform in `--prompt-len`, all from `--seed`), sent as token-id prompts (in the request's
-extra body: the client's own typed walk over a list prompt is not the server's time) through the
-official `openai.AsyncOpenAI` client, one asyncio task per request, from `--clients` processes (request
-i from client i mod N, each its own client and event loop): one Python client consumes about
-ten thousand streamed chunks a second, fewer than one server step of 64 streams makes, so one
-process would measure itself (`benchmarks/README.md`). Each client first sends one short
+uniform in `--prompt-len`, all from `--seed`), sent as token-id prompts (in the request's extra
+body: the client's own typed walk over a list prompt is not the server's time) through the
+official `openai.AsyncOpenAI` client, one asyncio task per request, from `--clients` processes
+(request i from client i mod N, each its own client and event loop): one Python client consumes
+about ten thousand streamed chunks a second, fewer than one server step of 64 streams makes, so
+one process would measure itself (`benchmarks/README.md`). Each client first sends one short
 request, unmeasured (its connection and the client's first-call costs, as a long-running
 client has paid them), then every client waits for the common start. Arrivals are a Poisson
 process of `--rate` requests/s (inf: all at time 0), at most `--max-concurrency` in flight
