@@ -65,8 +65,11 @@ for dtype in ("float32", "bfloat16"):
   lengths = jnp.asarray([100, 37], jnp.int32)
   rows, last = jnp.arange(2), lengths - 1
   k_pages, v_pages = (x.reshape(1, 14, 16, 2, 64) for x in (keys, values))
+  # [B, 8 + 2 + 2, 64]: the query heads, the new key and value heads, fused as the QKV
+  # projection leaves them
+  qkv = jnp.concatenate([q[:, 0], keys[rows, last], values[rows, last]], axis=1)
   out, _, _ = ragged_paged_attention(
-      q[:, 0], keys[rows, last], values[rows, last], k_pages, v_pages, jnp.int32(0),
+      qkv, k_pages, v_pages, jnp.int32(0),
       jnp.arange(14, dtype=jnp.int32).reshape(2, 7), lengths, jnp.arange(3, dtype=jnp.int32),
       jnp.ones(2, jnp.int32), config=RaggedPagedAttentionConfig(block_k=16, split_size=32),
       decode_only=True, interpret=interpret)
