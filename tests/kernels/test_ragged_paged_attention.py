@@ -208,8 +208,8 @@ def test_lowers_to_triton_for_h200(dtype, decode_only):
 
 
 def test_bad_inputs_raise_naming_the_argument():
-  arrays = _fused(_inputs(CASES[0])[0])
-  index = _inputs(CASES[0])[1]
+  arrays, index = _inputs(CASES[0])
+  arrays = _fused(arrays)
   call = functools.partial(ragged_paged_attention, layer=jnp.int32(0), interpret=True)
   with pytest.raises(ValueError, match=r"qkv must be \[A, N \+ 2K, H\]"):
     call(**dict(arrays, qkv=arrays["qkv"][0]), **index)
