@@ -10,6 +10,7 @@ import dataclasses
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,48 @@ class EngineClosed(RuntimeError):
 
 class RequestTimeout(TimeoutError):
   """The request ran past its `timeout`."""
+
+
+class _Waker:
+  """Sets one event loop's `asyncio.Event`s from other threads with one loop callback per batch:
+  events woken before the loop has run the previous callback ride on it, so a step that gives
+  tokens to many requests wakes their loop once (`call_soon_threadsafe` writes to the loop's
+  self-pipe; once per token per request it was most of a streamed token's cost)."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self._loop = weakref.ref(loop)
+    self._lock = threading.Lock()
+    self._pending: list[asyncio.Event] = []
+
+  def wake(self, ready: asyncio.Event) -> None:
+    with self._lock:
+      first = not self._pending
+      self._pending.append(ready)
+    loop = self._loop()
+    if first and loop is not None:
+      try:
+        loop.call_soon_threadsafe(self._run)
+      except RuntimeError:  # the loop is closed: nobody listens
+        with self._lock:
+          self._pending.clear()
+
+  def _run(self) -> None:
+    with self._lock:
+      pending, self._pending = self._pending, []
+    for ready in pending:
+      ready.set()
+
+
+_WAKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WAKERS_LOCK = threading.Lock()
+
+
+def _waker(loop: asyncio.AbstractEventLoop) -> _Waker:
+  with _WAKERS_LOCK:
+    waker = _WAKERS.get(loop)
+    if waker is None:
+      waker = _WAKERS[loop] = _Waker(loop)
+    return waker
 
 
 class Group:
@@ -54,7 +97,7 @@ class Group:
     self.row_finished_at: list[float | None] = [None] * rows  # each row's end
     self.finished_at: float | None = None
     self._open = rows
-    self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+    self._watchers: list[tuple[_Waker, asyncio.Event]] = []
 
   def row_end(self, row: int) -> float | None:
     """When a row ended: its own finish, else the group's (a failed or cancelled group)."""
@@ -98,11 +141,8 @@ class Group:
     self._notify()
 
   def _notify(self) -> None:
-    for loop, ready in self._watchers:
-      try:
-        loop.call_soon_threadsafe(ready.set)
-      except RuntimeError:  # the caller's event loop is closed: nobody listens
-        pass
+    for waker, ready in self._watchers:
+      waker.wake(ready)
 
   # The caller's side.
 
@@ -123,24 +163,19 @@ class Group:
     if self.error is not None:
       raise self.error
 
-  async def async_events(self) -> AsyncIterator[dict[int, int]]:
-    """`events()` for asyncio code: the engine thread wakes the caller's loop, no thread
-    waits."""
-    ready = asyncio.Event()
-    self._watchers.append((asyncio.get_running_loop(), ready))
+  def watch(self, ready: asyncio.Event) -> None:
+    """Set `ready` (an event of the running loop) whenever an event is queued; the caller clears
+    it before taking what is queued (`take`), so no wake-up is lost."""
+    self._watchers.append((_waker(asyncio.get_running_loop()), ready))
+
+  def take(self) -> list[dict[int, int] | None]:
+    """The events queued now, without waiting (None: every request finished)."""
+    events = []
     while True:
       try:
-        event = self._events.get_nowait()
+        events.append(self._events.get_nowait())
       except queue.Empty:
-        ready.clear()
-        if self._events.empty():  # (checked after the clear: no wake-up is lost)
-          await ready.wait()
-        continue
-      if event is None:
-        if self.error is not None:
-          raise self.error
-        return
-      yield event
+        return events
 
   def events(self, timeout: float | None = None) -> Iterator[dict[int, int]]:
     """{row: token} per engine step, until every request finished (then raises its error)."""
@@ -188,6 +223,9 @@ class Handle:
 
   def __init__(self, group: Group, tokenizer, stop: tuple[str, ...], logprobs: int | None = None):
     self._group, self._tokenizer, self._stop, self._top = group, tokenizer, stop, logprobs
+    # `poll`'s stream: its text (with a tokenizer), the tokens given, whether it has ended.
+    self._row: RowText | None = None
+    self._given, self._ended = 0, False
 
   @property
   def done(self) -> bool:
@@ -236,13 +274,43 @@ class Handle:
       yield Delta(-1, rest)
 
   async def __aiter__(self) -> AsyncIterator[Delta]:
-    row = None if self._tokenizer is None else RowText(self._tokenizer, self._stop)
-    index = 0
-    async for event in self._group.async_events():
-      yield self._delta(row, event[0], index)
-      index += 1
-    if row is not None and (rest := row.finish()):
-      yield Delta(-1, rest)
+    ready = asyncio.Event()
+    self.watch(ready)
+    while True:
+      ready.clear()
+      deltas, ended = self.poll()
+      for delta in deltas:
+        yield delta
+      if ended:
+        return
+      if not deltas:
+        await ready.wait()
+
+  def watch(self, ready: asyncio.Event) -> None:
+    """Set `ready` (an event of the running loop) when the request has news for `poll`; one
+    event may watch many handles (a response's choices wait on one)."""
+    self._group.watch(ready)
+
+  def poll(self) -> tuple[list[Delta], bool]:
+    """The stream's deltas since the last call, without waiting, and whether it has ended (its
+    last delta given; a failed request raises its error instead). `async for` is built on it;
+    don't mix it with iterating the handle."""
+    if self._ended:
+      return [], True
+    if self._row is None and self._tokenizer is not None:
+      self._row = RowText(self._tokenizer, self._stop)
+    deltas = []
+    for event in self._group.take():
+      if event is None:
+        self._ended = True
+        if self._group.error is not None:
+          raise self._group.error
+        if self._row is not None and (rest := self._row.finish()):
+          deltas.append(Delta(-1, rest))
+        break
+      deltas.append(self._delta(self._row, event[0], self._given))
+      self._given += 1
+    return deltas, self._ended
 
   def _delta(self, row: RowText | None, token: int, index: int) -> Delta:
     shown = None if row is None else row.push(token)

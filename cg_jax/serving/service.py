@@ -94,7 +94,7 @@ async def _finish(handle: Handle) -> Completion:
   """The request's completion, awaited through its deltas."""
   async for _ in handle:
     pass
-  return await asyncio.to_thread(handle.result)
+  return handle.result()
 
 
 class Service:
@@ -437,22 +437,35 @@ class Service:
     carries the usage so far."""
     chunk = Chunks(self.model_name, chat, include_usage, token_ids)
     generated = 0
-    queue: asyncio.Queue = asyncio.Queue()
     logs = [self.logprobs(job, score, chat) for job, score in zip(jobs, scores, strict=True)]
 
     def taken(index: int) -> dict[str, Any] | None:
       return None if logs[index] is None else logs[index].take()
 
-    async def pump(index: int, handle: Handle):
-      try:
-        async for delta in handle:
-          queue.put_nowait((index, delta))
-        queue.put_nowait((index, await asyncio.to_thread(handle.result)))
-      except Exception as error:  # noqa: BLE001 - the stream reports it
-        queue.put_nowait((index, error))
+    def deltas_event(index: int, deltas: list[Delta]) -> str | None:
+      """One chunk of a choice's deltas since its last chunk (one delta a step while the stream
+      keeps up; when it falls behind, fewer and larger chunks). A step's token goes out with its
+      text, or held back with it; without a tokenizer (no text) every step is a chunk, its ids
+      with return_token_ids."""
+      nonlocal generated
+      texts, ids = [], []
+      for delta in deltas:
+        if logs[index] is not None and delta.token >= 0:
+          logs[index].add(delta.token, delta.logprob, delta.top_logprobs)
+        generated += int(delta.token >= 0)
+        if delta.text or (delta.token >= 0 and (token_ids or self.names is None)):
+          texts.append(delta.text or "")
+          if delta.token >= 0:
+            ids.append(delta.token)
+      if continuous_usage:
+        chunk.running = usage_counts(jobs, generated)
+      if not texts and not ids:
+        return None
+      return _event(chunk.choices([chunk.delta(index, "".join(texts), ids, taken(index))]))
 
-    tasks = []
     completions: list[Completion | None] = [None] * len(handles)
+    live = {i: h for i, h in enumerate(handles) if h is not None}
+    ready = asyncio.Event()  # set when any choice has news
     failed = False
     try:
       if chat:
@@ -464,52 +477,33 @@ class Service:
           completions[index] = _NOTHING
           yield _event(chunk.choices([chunk.final(index, _NOTHING.finish_reason,
                                                   taken(index))]))
-      tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles) if h is not None]
-      while any(c is None for c in completions):
-        # Everything that arrived since the last wake-up: a choice's deltas in it go out as one
-        # chunk (when the stream falls behind the engine, fewer and larger chunks).
-        items = [await queue.get()]
-        while not queue.empty():
-          items.append(queue.get_nowait())
-        pending: dict[int, tuple[list[str], list[int]]] = {}
-
-        def flush(index: int) -> str | None:
-          texts, ids = pending.pop(index, ((), ()))
-          if not texts and not ids:
-            return None
-          return _event(chunk.choices([chunk.delta(index, "".join(texts), list(ids),
-                                                   taken(index))]))
-
-        for index, item in items:
-          if isinstance(item, Delta):
-            if logs[index] is not None and item.token >= 0:
-              logs[index].add(item.token, item.logprob, item.top_logprobs)
-            generated += int(item.token >= 0)
-            if continuous_usage:
-              chunk.running = usage_counts(jobs, generated)
-            # A step's token goes out with its text, or held back with it; without a tokenizer
-            # (no text) every step is a chunk, its ids with return_token_ids.
-            if item.text or (item.token >= 0 and (token_ids or self.names is None)):
-              texts, ids = pending.setdefault(index, ([], []))
-              texts.append(item.text or "")
-              if item.token >= 0:
-                ids.append(item.token)
-            continue
-          if (event := flush(index)) is not None:
-            yield event
-          if isinstance(item, Completion):
-            completions[index] = item
-            self.metrics.finished(item)
-            yield _event(chunk.choices([chunk.final(index, item.finish_reason, taken(index))]))
-          else:
+      for handle in live.values():
+        handle.watch(ready)
+      while live:
+        # Everything that arrived since the last wake-up, as one write.
+        ready.clear()
+        events = []
+        for index, handle in list(live.items()):
+          try:
+            deltas, ended = handle.poll()
+          except Exception as error:  # noqa: BLE001 - the stream reports it
             failed = True
-            yield _event(engine_error(item).body())
+            events.append(_event(engine_error(error).body()))
             break
+          if deltas and (event := deltas_event(index, deltas)) is not None:
+            events.append(event)
+          if ended:
+            del live[index]
+            completions[index] = completion = handle.result()
+            self.metrics.finished(completion)
+            events.append(_event(chunk.choices([chunk.final(index, completion.finish_reason,
+                                                            taken(index))])))
+        if events:
+          yield "".join(events)
         if failed:
           break
-        for index in list(pending):
-          if (event := flush(index)) is not None:
-            yield event
+        if live and not events:
+          await ready.wait()
       else:
         if include_usage:
           yield _event(chunk.usage(usage(jobs, completions)))
@@ -517,8 +511,6 @@ class Service:
     finally:
       if not failed and any(c is None for c in completions):  # the client went away
         self.metrics.cancelled.inc(sum(c is None for c in completions))
-      for task in tasks:
-        task.cancel()
       for handle in handles:
         if handle is not None:
           handle.cancel()

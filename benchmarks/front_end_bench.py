@@ -1,0 +1,160 @@
+"""The serving front end's capacity, with no model and no device: `serve`'s processes with a
+stand-in engine in the core process that gives every running request its next token each
+`--step-ms` (as a decode step would; its prompt's ids in turn, so the detokenizer sees real
+text), then `python -m cg_jax bench serve` against it. What it measures is what one front end
+(HTTP, server-sent events, detokenizing, the core's messages) delivers on this machine's CPU:
+with the front end keeping up, each stream's time per token is the step; past its capacity it
+grows. The front end's and the core's CPU seconds are read from /proc.
+
+Usage (the tokenizer is --model's; one tree first on the path for an A/B):
+  PYTHONSAFEPATH=1 PYTHONPATH=<tree> python3 benchmarks/front_end_bench.py --model DIR \
+    --streams 16,64 --step-ms 1.6 [--output-len 128] [--clients 2]
+One line per stream count: tokens/s, the client's TPOT and the server's, the front end's CPU
+microseconds per token.
+"""
+import argparse
+import cProfile
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import urllib.request
+
+from cg_jax.core import process
+from cg_jax.serving import launch
+from cg_jax.serving.service import WARMUP_PHASES
+
+
+class StandIn:
+  """The part of `Engine` the core process uses; a thread "steps" every `step_s`."""
+
+  def __init__(self, step_s: float, vocab_size: int, eos: tuple[int, ...]):
+    self.model_config = types.SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos)
+    self.config = types.SimpleNamespace(max_seq_len=1 << 16, max_waiting=1 << 16)
+    self._step_s, self._lock, self._running = step_s, threading.Lock(), []
+    self._delivered = lambda: None
+    self._stop = threading.Event()
+    threading.Thread(target=self._loop, daemon=True).start()
+
+  def on_step(self, callback):
+    self._delivered = callback or (lambda: None)
+
+  def executable_keys(self, phases=()):
+    return []
+
+  def warmup(self, **_):
+    pass
+
+  def stats(self):
+    return {"running": len(self._running)}
+
+  def close(self):
+    self._stop.set()
+
+  def enqueue(self, request, *, timeout=None, group):
+    prompt = request.rows[0].tolist()
+    made = group([len(prompt)], lambda: None)
+    with self._lock:
+      self._running.append([made, prompt, 0, request.max_new_tokens])
+    return made
+
+  def _loop(self):
+    next_at = time.perf_counter()
+    while not self._stop.is_set():
+      next_at += self._step_s
+      with self._lock:
+        running = self._running
+        for entry in running:
+          made, prompt, given, budget = entry
+          if made.cancelled:
+            continue
+          made._emit({0: prompt[given % len(prompt)]}, {})
+          entry[2] = given = given + 1
+          if given == budget:
+            made._finish(0, "length")
+        self._running = [e for e in running if e[2] < e[3] and not e[0].cancelled]
+      self._delivered()
+      time.sleep(max(0.0, next_at - time.perf_counter()))
+
+
+def cpu_s(pid: int) -> float:
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", required=True, help="its tokenizer is used")
+  parser.add_argument("--streams", default="16,64")
+  parser.add_argument("--step-ms", type=float, default=1.6)
+  parser.add_argument("--output-len", type=int, default=128)
+  parser.add_argument("--prompt-len", default="64:480")
+  parser.add_argument("--clients", type=int, default=2)
+  parser.add_argument("--vocab-size", type=int, default=1000)
+  parser.add_argument("--profile", default=None,
+                      help="write a cProfile of the event loop's thread to this file")
+  args = parser.parse_args()
+  tokenizer = launch._tokenizer(args.model)
+  vocab = tokenizer.get_vocab_size() if tokenizer is not None else args.vocab_size
+  directory = tempfile.mkdtemp(prefix="cg_jax-bench-")
+  core = multiprocessing.get_context("spawn").Process(
+      target=process.run,
+      args=(directory, _Build(args.step_ms / 1e3, vocab), WARMUP_PHASES, "warning"))
+  core.start()
+  sock = socket.socket()
+  sock.bind(("127.0.0.1", 0))
+  port = sock.getsockname()[1]
+  profiler = cProfile.Profile() if args.profile else None
+  front_args = (directory, 0, core.pid, args.model, "m", None, sock, 5, "warning")
+  front = threading.Thread(target=profiler.runcall if profiler else launch._front_end,
+                           args=(launch._front_end, *front_args) if profiler else front_args,
+                           daemon=True)
+  front.start()
+  for _ in range(300):
+    try:
+      if urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200:
+        break
+    except OSError:
+      time.sleep(0.1)
+  for streams in (int(s) for s in args.streams.split(",")):
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as rows:
+      before = cpu_s(os.getpid()), cpu_s(core.pid)
+      subprocess.run([sys.executable, "-m", "cg_jax", "bench", "serve", "--base-url",
+                      f"http://127.0.0.1:{port}/v1", "--model", "m", "--num-requests",
+                      str(streams), "--clients", str(args.clients), "--output-len",
+                      str(args.output_len), "--prompt-len", args.prompt_len, "--vocab-size",
+                      str(min(vocab, args.vocab_size)), "--output", rows.name],
+                     check=True, capture_output=True)
+      front_s, core_s = cpu_s(os.getpid()) - before[0], cpu_s(core.pid) - before[1]
+      figures = json.loads(open(rows.name).readlines()[-1])["figures"]
+    tokens = streams * args.output_len
+    print(f"streams {streams:4d} step {args.step_ms} ms: {figures['tokens_per_s']:8.0f} tok/s "
+          f"(the steps allow {streams / args.step_ms * 1e3:8.0f}), TPOT mean "
+          f"{figures['tpot_ms_mean']:.3f} ms, server {figures.get('server_tpot_ms_mean', 0):.3f};"
+          f" TTFT mean {figures['ttft_ms_mean']:.2f} ms, server "
+          f"{figures.get('server_ttft_ms_mean', 0):.2f}; front end {front_s / tokens * 1e6:.1f} "
+          f"us CPU a token, core {core_s / tokens * 1e6:.1f}", flush=True)
+  if profiler is not None:
+    profiler.dump_stats(args.profile)  # (while it runs: what it has so far)
+  os.kill(os.getpid(), 15)
+
+
+class _Build:
+  """The core process's `build` (picklable): a `StandIn`."""
+
+  def __init__(self, step_s: float, vocab_size: int):
+    self.step_s, self.vocab_size = step_s, vocab_size
+
+  def __call__(self) -> StandIn:
+    return StandIn(self.step_s, self.vocab_size, ())
+
+
+if __name__ == "__main__":
+  main()
