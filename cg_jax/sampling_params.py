@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -227,7 +228,7 @@ class SamplingParams:
                       stacklevel=caller_stacklevel())
     seed = self.seed
     if seed is None:
-      seed = int(np.random.default_rng().integers(0, 2**32))
+      seed = int.from_bytes(os.urandom(4), "little")  # (numpy's default_rng costs 10 us more)
     settings = SamplingSettings(greedy=greedy, temperature=float(temperature), top_k=self.top_k,
                                 top_p=float(self.top_p), seed=seed, eos_ids=eos)
     return settings, self.stop, logprobs

@@ -114,9 +114,11 @@ def prompt_shape(value):
   if isinstance(value, str):
     return value
   if isinstance(value, list) and value:
-    if all(isinstance(x, str) for x in value) or all(is_token(x) for x in value):
+    # (one type test per element type, not a call per token: prompts run to thousands of ids)
+    kinds = set(map(type, value))
+    if kinds == {str} or kinds == {int}:
       return value
-    if all(isinstance(x, list) and all(is_token(t) for t in x) for x in value):
+    if kinds == {list} and all(set(map(type, x)) <= {int} for x in value):
       return value
   if isinstance(value, list) and not value:
     raise ValueError("prompt is empty: give a string, a list of strings, a list of token ids or "

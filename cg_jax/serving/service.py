@@ -240,6 +240,8 @@ class Service:
       where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
       if not ids:
         raise bad_request("prompt", f"{where} is empty: it needs at least one token")
+      if 0 <= min(ids) and max(ids) < vocab:
+        continue
       for j, token in enumerate(ids):
         if not 0 <= token < vocab:
           raise bad_request("prompt", f"{where}[{j}] = {token} is not a token id of this model: allowed "
