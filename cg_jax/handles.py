@@ -35,8 +35,8 @@ class RequestTimeout(TimeoutError):
 class _Waker:
   """Sets one event loop's `asyncio.Event`s from other threads with one loop callback per batch:
   events woken before the loop has run the previous callback ride on it, so a step that gives
-  tokens to many requests wakes their loop once (`call_soon_threadsafe` writes to the loop's
-  self-pipe; once per token per request it was most of a streamed token's cost)."""
+  tokens to many requests wakes their loop once, not once per request (each
+  `call_soon_threadsafe` writes to the loop's self-pipe)."""
 
   def __init__(self, loop: asyncio.AbstractEventLoop):
     self._loop = weakref.ref(loop)
