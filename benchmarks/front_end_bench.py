@@ -10,7 +10,10 @@ Usage (the tokenizer is --model's; one tree first on the path for an A/B):
   PYTHONSAFEPATH=1 PYTHONPATH=<tree> python3 benchmarks/front_end_bench.py --model DIR \
     --streams 16,64 --step-ms 1.6 [--output-len 128] [--clients 2]
 One line per stream count: tokens/s, the client's TPOT and the server's, the front end's CPU
-microseconds per token.
+microseconds per token. `--trace N` first sends N streamed requests one at a time over a raw
+socket (one prompt of the --prompt-len upper bound) and prints the median time between the
+stages of each one's first chunk (marks patched onto uvicorn's parser and sender, the service
+and the core client).
 """
 import argparse
 import cProfile
@@ -23,11 +26,14 @@ import sys
 import tempfile
 import threading
 import time
+import statistics
 import types
 import urllib.request
 
+from uvicorn.protocols.http import httptools_impl
+
 from cg_jax.core import process
-from cg_jax.serving import launch
+from cg_jax.serving import client, launch, service
 from cg_jax.serving.service import WARMUP_PHASES
 
 
@@ -83,6 +89,67 @@ class StandIn:
       time.sleep(max(0.0, next_at - time.perf_counter()))
 
 
+_MARKS: list[tuple[str, float]] = []  # (stage, time) of the traced request
+
+
+def _mark_before(cls, name: str, stage: str) -> None:
+  method = getattr(cls, name)
+
+  def marked(*args, **kwargs):
+    _MARKS.append((stage, time.perf_counter()))
+    return method(*args, **kwargs)
+
+  setattr(cls, name, marked)
+
+
+def _install_marks() -> None:
+  _mark_before(httptools_impl.HttpToolsProtocol, "on_message_complete", "1 request parsed")
+  _mark_before(service.Service, "completion_jobs", "2 validation starts")
+  _mark_before(client.CoreClient, "_send", "3 sent to the core")
+  _mark_before(client.CoreClient, "_step", "4 token in the front end")
+  send = httptools_impl.RequestResponseCycle.send
+
+  async def marked_send(self, message):
+    await send(self, message)
+    if message["type"] == "http.response.body" and message.get("body", b"").startswith(b"data:"):
+      _MARKS.append(("5 first chunk written", time.perf_counter()))
+
+  httptools_impl.RequestResponseCycle.send = marked_send
+
+
+def trace(port: int, count: int, prompt_len: int) -> None:
+  """`count` requests one at a time: each stage's median share of the first chunk's time."""
+  body = json.dumps({"model": "m", "prompt": list(range(1, prompt_len + 1)), "max_tokens": 2,
+                     "stream": True, "temperature": 0, "ignore_eos": True}).encode()
+  request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+             b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+  spans: dict[str, list[float]] = {}
+  for _ in range(count):
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+      conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      time.sleep(0.01)
+      _MARKS.clear()
+      start = time.perf_counter()
+      conn.sendall(request)
+      received = b""
+      while b"data: {" not in received:
+        received += conn.recv(65536)
+      end = time.perf_counter()
+      while b"[DONE]" not in received and (more := conn.recv(65536)):
+        received += more
+    first: dict[str, float] = {}
+    for stage, at in _MARKS:
+      first.setdefault(stage, at)
+    last = start
+    for stage in sorted(first):
+      spans.setdefault(stage, []).append(first[stage] - last)
+      last = first[stage]
+    spans.setdefault("6 client has it", []).append(end - last)
+    spans.setdefault("first chunk", []).append(end - start)
+  for stage, times in sorted(spans.items()):
+    print(f"trace: {stage:26s} {statistics.median(times) * 1e3:7.3f} ms", flush=True)
+
+
 def cpu_s(pid: int) -> float:
   with open(f"/proc/{pid}/stat") as f:
     fields = f.read().rsplit(")", 1)[1].split()
@@ -98,6 +165,8 @@ def main():
   parser.add_argument("--prompt-len", default="64:480")
   parser.add_argument("--clients", type=int, default=2)
   parser.add_argument("--vocab-size", type=int, default=1000)
+  parser.add_argument("--trace", type=int, default=0,
+                      help="first time this many lone requests stage by stage")
   parser.add_argument("--profile", default=None,
                       help="write a cProfile of the event loop's thread to this file")
   args = parser.parse_args()
@@ -111,6 +180,8 @@ def main():
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))
   port = sock.getsockname()[1]
+  if args.trace:
+    _install_marks()
   profiler = cProfile.Profile() if args.profile else None
   front_args = (directory, 0, core.pid, args.model, "m", None, sock, 5, "warning")
   front = threading.Thread(target=profiler.runcall if profiler else launch._front_end,
@@ -123,7 +194,9 @@ def main():
         break
     except OSError:
       time.sleep(0.1)
-  for streams in (int(s) for s in args.streams.split(",")):
+  if args.trace:
+    trace(port, args.trace, int(args.prompt_len.split(":")[-1]))
+  for streams in (int(s) for s in args.streams.split(",") if s):
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as rows:
       before = cpu_s(os.getpid()), cpu_s(core.pid)
       subprocess.run([sys.executable, "-m", "cg_jax", "bench", "serve", "--base-url",
