@@ -13,9 +13,10 @@ One line per stream count: tokens/s, the client's TPOT and the server's, the fro
 microseconds per token. `--trace N` first sends N streamed requests one at a time over a raw
 socket (one prompt of the --prompt-len upper bound) and prints the median time between the
 stages of each one's first chunk (marks patched onto uvicorn's parser and sender, the service
-and the core client).
+and the core client), then the first chunk's median through the openai client.
 """
 import argparse
+import asyncio
 import cProfile
 import json
 import multiprocessing
@@ -30,6 +31,7 @@ import statistics
 import types
 import urllib.request
 
+import openai
 from uvicorn.protocols.http import httptools_impl
 
 from cg_jax.core import process
@@ -146,8 +148,26 @@ def trace(port: int, count: int, prompt_len: int) -> None:
       last = first[stage]
     spans.setdefault("6 client has it", []).append(end - last)
     spans.setdefault("first chunk", []).append(end - start)
+  spans["first chunk, openai client"] = asyncio.run(_openai_first_chunks(port, count, prompt_len))
   for stage, times in sorted(spans.items()):
     print(f"trace: {stage:26s} {statistics.median(times) * 1e3:7.3f} ms", flush=True)
+
+
+async def _openai_first_chunks(port: int, count: int, prompt_len: int) -> list[float]:
+  """The same lone requests through `openai.AsyncOpenAI` (as `bench serve` sends them)."""
+  api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-")
+  times = []
+  for _ in range(count + 3):  # (the first three warm the client)
+    start = time.perf_counter()
+    stream = await api.completions.create(
+        model="m", prompt="", max_tokens=2, stream=True, temperature=0,
+        extra_body={"prompt": list(range(1, prompt_len + 1)), "ignore_eos": True})
+    first = None
+    async for chunk in stream:
+      if first is None and chunk.choices:
+        first = time.perf_counter() - start
+    times.append(first)
+  return times[3:]
 
 
 def cpu_s(pid: int) -> float:
