@@ -18,14 +18,17 @@ PORT=8123
 CKPT=/tmp/ck; export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 rows=$out/bench.jsonl
 eval "$(sed -n '/^http_install() {/,/^}/p' benchmarks/gpu_session.sh)"
-python3 -c "import fastapi, uvicorn, openai, zmq" 2>/dev/null || PYTHONPATH=$PWD http_install /tmp/cg_jax_http > "$out/http_install.log" 2>&1 || { echo "!! http_install failed"; tail -5 "$out/http_install.log"; }
+python3 -c "import fastapi, uvicorn, openai, zmq" 2>/dev/null ||
+  PYTHONPATH=$PWD http_install /tmp/cg_jax_http > "$out/http_install.log" 2>&1 ||
+  { echo "!! http_install failed"; tail -5 "$out/http_install.log"; }
 HTTP=/tmp/cg_jax_http
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)
 cpu() { awk '{print $14+$15}' /proc/$1/stat 2>/dev/null || echo 0; }
 bench() {  # label tree args...
   local label=$1 tree=$2; shift 2
   local t0=$(date +%s.%N) fa=$(cpu ${FRONT:-1}) ca=$(cpu ${CORE:-1})
-  PYTHONPATH=$PWD/$tree:$HTTP timeout 150 python3 -m cg_jax bench "$@" --output $out/tmp.jsonl > $out/b.log 2>&1 || tail -3 $out/b.log
+  PYTHONPATH=$PWD/$tree:$HTTP timeout 150 python3 -m cg_jax bench "$@" --output $out/tmp.jsonl \
+    > $out/b.log 2>&1 || tail -3 $out/b.log
   local t1=$(date +%s.%N) fb=$(cpu ${FRONT:-1}) cb=$(cpu ${CORE:-1})
   python3 - "$label" $t0 $t1 $fa $fb $ca $cb $out/tmp.jsonl $rows <<'P'
 import json, sys
@@ -36,14 +39,20 @@ for line in open(tmp):
     "core_cpu_s": (int(cb)-int(ca))/100, "bench_wall_s": wall}
   open(rows, "a").write(json.dumps(r) + "\n")
   f = r["figures"]
-  print(f"{label:28s} tok/s {f.get('tokens_per_s',0):8.0f} ttft p50 {f.get('ttft_ms_p50',0):7.2f} mean {f.get('ttft_ms_mean',0):7.2f} srv {f.get('server_ttft_ms_mean',0):7.2f} | tpot p50 {f.get('tpot_ms_p50',0):6.3f} mean {f.get('tpot_ms_mean',0):6.3f} srv {f.get('server_tpot_ms_mean',0):6.3f} | front {r['probe']['front_cpu_s']:.2f}s core {r['probe']['core_cpu_s']:.2f}s / {wall:.1f}s")
+  g = lambda k: f.get(k, 0)
+  print(f"{label:28s} tok/s {g('tokens_per_s'):8.0f} ttft p50 {g('ttft_ms_p50'):7.2f} "
+        f"mean {g('ttft_ms_mean'):7.2f} srv {g('server_ttft_ms_mean'):7.2f} | tpot p50 "
+        f"{g('tpot_ms_p50'):6.3f} mean {g('tpot_ms_mean'):6.3f} srv {g('server_tpot_ms_mean'):6.3f}"
+        f" | front {r['probe']['front_cpu_s']:.2f}s core {r['probe']['core_cpu_s']:.2f}s / "
+        f"{wall:.1f}s")
 P
   rm -f $out/tmp.jsonl
 }
 serve_run() {  # name tree model-dir bench-list extra-serve-args...
   local name=$1 tree=$2 dir=$3 list=$4; shift 4
   local t0=$(date +%s)
-  PYTHONPATH=$PWD/$tree:$HTTP python3 -m cg_jax serve --model $dir --max-seq-len 1024 --port $PORT "$@" > $out/serve-$name.log 2>&1 &
+  PYTHONPATH=$PWD/$tree:$HTTP python3 -m cg_jax serve --model $dir --max-seq-len 1024 \
+    --port $PORT "$@" > $out/serve-$name.log 2>&1 &
   local server=$!
   for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
   echo "=== $name: /health after $(( $(date +%s) - t0 )) s"
@@ -51,16 +60,25 @@ serve_run() {  # name tree model-dir bench-list extra-serve-args...
   local base=(--base-url http://127.0.0.1:$PORT/v1 --model $dir --device "$device")
   for b in ${list//,/ }; do
     case $b in
-      1) bench "$name http 1 (16 at 2/s)" $tree serve "${base[@]}" --num-requests 16 --rate 2 --clients 1 ;;
-      *) bench "$name http $b" $tree serve "${base[@]}" --num-requests $b --clients $(( b > 64 ? 16 : 8 )) ;;
+      1) bench "$name http 1 (16 at 2/s)" $tree serve "${base[@]}" --num-requests 16 --rate 2 \
+           --clients 1 ;;
+      *) bench "$name http $b" $tree serve "${base[@]}" --num-requests $b \
+           --clients $(( b > 64 ? 16 : 8 )) ;;
     esac
   done
   kill -TERM $server; wait $server
   FRONT=1; CORE=1
 }
 inproc_run() {  # name tree model-dir
-  for n in 16 64; do bench "$1 inproc $n" $2 throughput --model $3 --max-seq-len 1024 --num-requests $n; done
-  bench "$1 inproc 1 (16 at 2/s)" $2 throughput --model $3 --max-seq-len 1024 --num-requests 16 --rate 2
+  for n in 16 64; do
+    bench "$1 inproc $n" $2 throughput --model $3 --max-seq-len 1024 --num-requests $n
+  done
+  bench "$1 inproc 1 (16 at 2/s)" $2 throughput --model $3 --max-seq-len 1024 --num-requests 16 \
+    --rate 2
 }
-ck() { [ -f $CKPT/$1/config.json ] || PYTHONPATH=$PWD python3 benchmarks/make_checkpoints.py --out-dir $CKPT --models $1 >> $out/ck.log 2>&1; echo $CKPT/$1; }
+ck() {  # model -> its random-weight checkpoint (written once)
+  [ -f $CKPT/$1/config.json ] || PYTHONPATH=$PWD python3 benchmarks/make_checkpoints.py \
+    --out-dir $CKPT --models $1 >> $out/ck.log 2>&1
+  echo $CKPT/$1
+}
 eval "$PLAN"
