@@ -45,7 +45,7 @@ class StandIn:
   def __init__(self, step_s: float, vocab_size: int, eos: tuple[int, ...]):
     self.model_config = types.SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos)
     self.config = types.SimpleNamespace(max_seq_len=1 << 16, max_waiting=1 << 16)
-    self._step_s, self._lock, self._running = step_s, threading.Lock(), []
+    self._step_s, self._lock, self._running = step_s, threading.Condition(), []
     self._delivered = lambda: None
     self._stop = threading.Event()
     threading.Thread(target=self._loop, daemon=True).start()
@@ -70,11 +70,16 @@ class StandIn:
     made = group([len(prompt)], lambda: None)
     with self._lock:
       self._running.append([made, prompt, 0, request.max_new_tokens])
+      self._lock.notify()
     return made
 
   def _loop(self):
     next_at = time.perf_counter()
     while not self._stop.is_set():
+      with self._lock:
+        if not self._running:  # idle until a request comes (its first token is given at once)
+          self._lock.wait(0.05)
+          next_at = time.perf_counter()
       next_at += self._step_s
       with self._lock:
         running = self._running

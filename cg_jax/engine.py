@@ -422,15 +422,20 @@ class Engine:
       nothing is queued); `cg_jax.handles.QueueFull` when `max_waiting` requests wait
       already.
     """
-    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-                                or not timeout > 0):
-      raise ValueError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+    validation.timeout(timeout)
     if isinstance(prompt, np.ndarray):
       prompt = prompt.tolist()
     if not isinstance(prompt, (str, list, tuple)):
       raise TypeError(f"prompt must be a string or a list of token ids, got "
                       f"{type(prompt).__name__}")
-    request = self.validate([prompt], max_new_tokens, params=params, **sampling)
+    return self.submit_validated(self.validate([prompt], max_new_tokens, params=params,
+                                               **sampling), timeout=timeout)
+
+  def submit_validated(self, request: validation.Request, *,
+                       timeout: float | None = None) -> Handle:
+    """`submit` of a one-prompt request validated already (`validate`'s, or the serving front
+    end's own checks: one validation pass a request)."""
+    validation.timeout(timeout)
     return Handle(self._scheduler.submit(request, timeout), self.tokenizer, request.stop,
                   request.logprobs)
 

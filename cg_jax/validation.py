@@ -181,6 +181,13 @@ class Request:
   logprobs: int | None = None  # top alternatives per new token (0: the chosen one's only)
 
 
+def timeout(value) -> None:
+  """A request's `timeout`: None or a number of seconds > 0."""
+  if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                            or not value > 0):
+    raise ValueError(f"timeout must be None or a number of seconds > 0, got {value!r}")
+
+
 def request(inputs, params, *, vocab_size: int, max_seq_len: int, default_eos: Sequence[int],
             has_tokenizer: bool) -> Request:
   """Every check of one request on the host, in one place (`Engine.validate` and the serving

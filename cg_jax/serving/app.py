@@ -24,10 +24,9 @@ from cg_jax.chat_template import ChatTemplate
 from cg_jax.engine import Engine
 from cg_jax.hub import resolve_model
 from cg_jax.serving.metrics import CountRequests, is_number
-from cg_jax.serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                     SamplingFields, StreamOptions, engine_error, validation_error)
-from cg_jax.serving.service import (ClientGone, EventStream, Job, Service, Warmup,
-                                    completion_response)
+from cg_jax.serving.protocol import ApiError, engine_error, validation_error
+from cg_jax.serving.routes import GenerationRoutes
+from cg_jax.serving.service import Service, Warmup
 from models.config import PRESETS
 
 # uvicorn's log (its format and level): the server's own lines go there too.
@@ -81,6 +80,8 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
   app = fastapi.FastAPI(title="cg_jax", lifespan=lifespan, docs_url=None, redoc_url=None,
                         openapi_url=None)
   app.state.service = service
+  # (the last added is the outermost: every request is counted, the generation routes' too)
+  app.add_middleware(GenerationRoutes, service=service)
   app.add_middleware(CountRequests, metrics=service.metrics, endpoints=ENDPOINTS)
 
   @app.exception_handler(ApiError)
@@ -89,7 +90,7 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
 
   @app.exception_handler(RequestValidationError)
   async def invalid(request, error: RequestValidationError):
-    return validation_error(error).response()
+    return validation_error(error.errors()).response()
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(request, error: StarletteHTTPException):
@@ -100,35 +101,6 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
   @app.exception_handler(Exception)
   async def failed(request, error: Exception):
     return engine_error(error).response()
-
-  async def run(request: fastapi.Request, body: SamplingFields, jobs: list[Job], chat: bool):
-    scores = await service.scores(jobs)
-    handles = service.submit(jobs)
-    if body.stream:
-      options = body.stream_options or StreamOptions()
-      events = service.events(jobs, handles, scores, chat=chat,
-                              include_usage=bool(options.include_usage),
-                              token_ids=body.return_token_ids,
-                              continuous_usage=bool(options.continuous_usage_stats))
-      return EventStream(events, [h for h in handles if h is not None])
-    try:
-      completions = await service.complete(request, handles)
-    except ClientGone:
-      return Response(status_code=499)
-    logprobs = [service.choice_logprobs(job, score, completion, chat)
-                for job, score, completion in zip(jobs, scores, completions, strict=True)]
-    return JSONResponse(completion_response(model_name, jobs, completions, logprobs, chat=chat,
-                                            token_ids=body.return_token_ids))
-
-  @app.post("/v1/completions")
-  async def completions(body: CompletionRequest, request: fastapi.Request):
-    service.check_ready()
-    return await run(request, body, service.completion_jobs(body), chat=False)
-
-  @app.post("/v1/chat/completions")
-  async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
-    service.check_ready()
-    return await run(request, body, service.chat_jobs(body), chat=True)
 
   def model_card() -> dict[str, Any]:
     return {"id": model_name, "object": "model", "created": service.created, "owned_by": "cg_jax",

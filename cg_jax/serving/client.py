@@ -158,10 +158,17 @@ class CoreClient:
       raise CoreDied(self.failure)
     model, limits = self.model_config, self.config
     params = SamplingParams.of(params, sampling, "submit()", max_new_tokens)
-    request = validation.request([list(prompt)], params,
-                                 vocab_size=model.vocab_size, max_seq_len=limits.max_seq_len,
-                                 default_eos=model.eos_token_id,
-                                 has_tokenizer=self.tokenizer is not None)
+    return self.submit_validated(validation.request(
+        [list(prompt)], params, vocab_size=model.vocab_size, max_seq_len=limits.max_seq_len,
+        default_eos=model.eos_token_id, has_tokenizer=self.tokenizer is not None),
+        timeout=timeout)
+
+  def submit_validated(self, request: validation.Request, *,
+                       timeout: float | None = None) -> Handle:
+    """Queue a one-prompt request validated already (as `Engine.submit_validated`)."""
+    if self.failure is not None:
+      raise CoreDied(self.failure)
+    validation.timeout(timeout)
     stop, top = request.stop, request.logprobs
     rid = next(self._ids)
     group = Group([len(request.rows[0])], lambda: self._send({"op": "cancel", "ids": [rid]}))

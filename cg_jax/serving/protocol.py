@@ -10,7 +10,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from tokenizers import decoders
@@ -68,9 +67,9 @@ def engine_error(error: BaseException) -> ApiError:
   return ApiError(500, f"{type(error).__name__}: {error}", type="server_error")
 
 
-def validation_error(error: RequestValidationError) -> ApiError:
-  """FastAPI's first validation error as a 400 naming the parameter."""
-  first = error.errors()[0]
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+  """The first of pydantic's (or FastAPI's) validation errors as a 400 naming the parameter."""
+  first = errors[0]
   # Field names and indices; not "body" nor union members' tags such as "list[int]".
   loc = [part for part in first.get("loc", ()) if part != "body"
          and not (isinstance(part, str) and ("[" in part or "-" in part))]

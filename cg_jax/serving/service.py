@@ -15,10 +15,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-import fastapi
-from fastapi.responses import StreamingResponse
+import numpy as np
 
-from cg_jax import text
+from cg_jax import text, validation
 from cg_jax.chat_template import ChatTemplate, TemplateError
 from cg_jax.core.executables import SERVING_PHASES
 from cg_jax.engine import Engine
@@ -47,13 +46,15 @@ log = logging.getLogger("uvicorn.error")
 @dataclasses.dataclass(frozen=True)
 class Job:
   """One prompt of a request, validated: its token ids, its `SamplingParams` (None: nothing to
-  generate, `echo` with `max_tokens: 0`), the text its choice starts with (`echo`, else None)
-  and its log-probabilities' alternatives per token (None: no logprobs)."""
+  generate, `echo` with `max_tokens: 0`), the text its choice starts with (`echo`, else None),
+  its log-probabilities' alternatives per token (None: no logprobs) and the engine's request
+  (None when nothing is generated)."""
 
   ids: list[int]
   params: SamplingParams | None
   echo: str | None = None
   top: int | None = None
+  request: validation.Request | None = None
 
   @property
   def scored(self) -> bool:
@@ -68,22 +69,6 @@ _NOTHING = Completion(tokens=[], text="", finish_reason="length", stats={}, logp
 
 class ClientGone(Exception):
   """The client disconnected before its response was ready."""
-
-
-class EventStream(StreamingResponse):
-  """Server-sent events that cancel their requests however the response ends."""
-
-  def __init__(self, content: AsyncIterator[str], handles: Sequence[Handle]):
-    super().__init__(content, media_type="text/event-stream",
-                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    self._handles = handles
-
-  async def __call__(self, scope, receive, send):
-    try:
-      await super().__call__(scope, receive, send)
-    finally:
-      for handle in self._handles:
-        handle.cancel()
 
 
 def _event(data: Mapping[str, Any]) -> str:
@@ -155,7 +140,7 @@ class Service:
   def _sampling(self, body: SamplingFields, logprobs: int | None,
                 names: Mapping[str, str] = OPENAI_NAMES) -> SamplingParams:
     """The request's `SamplingParams` (max_new_tokens left at its default: each job sets its
-    own), checked against the model too. Temperature 0 is greedy: OpenAI's other sampling
+    own; `_request` checks them against the model). Temperature 0 is greedy: OpenAI's other sampling
     fields then go to the engine as off (no engine warning). A bad value is a 400 naming its
     OpenAI field (`names`: field -> OpenAI name; the others are named alike). The server's own
     limits: temperature up to MAX_TEMPERATURE, top_k -1 as off."""
@@ -167,19 +152,30 @@ class Service:
     if top_k < 0:
       raise bad_request("top_k", f"top_k={top_k} is out of range: allowed 0 or -1 (off) or a "
                           f"positive number of tokens")
-    model = self.engine.model_config
     try:
       params = SamplingParams(do_sample=temperature > 0, temperature=temperature, top_k=top_k,
                               top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
                               stop=body.stop, eos_token_id=[] if body.ignore_eos else None,
                               logprobs=logprobs)
-      if temperature == 0:
-        params = dataclasses.replace(params, top_k=0, top_p=1.0, seed=None)
-      params.settings(vocab_size=model.vocab_size, default_eos=model.eos_token_id,
-                      has_tokenizer=self.engine.tokenizer is not None)
     except ParamError as error:
       raise param_error(error, names) from None
+    if temperature == 0:
+      params = dataclasses.replace(params, top_k=0, top_p=1.0, seed=None)
     return params
+
+  def _request(self, ids: list[int], params: SamplingParams,
+               names: Mapping[str, str] = OPENAI_NAMES) -> validation.Request:
+    """The engine's request of one prompt checked already (`_token_ids`, `_lengths`): its
+    sampling checked against the model here, the one validation pass a request gets."""
+    model = self.engine.model_config
+    try:
+      settings, stops, top = params.settings(vocab_size=model.vocab_size,
+                                             default_eos=model.eos_token_id,
+                                             has_tokenizer=self.engine.tokenizer is not None)
+    except ParamError as error:
+      raise param_error(error, names) from None
+    return validation.Request([np.asarray(ids, np.int32)], params.max_new_tokens, settings, stops,
+                              logprobs=top)
 
   def _lengths(self, prompts: list[list[int]], max_tokens: int | None, param: str,
                max_param: str, echo: bool = False) -> list[int]:
@@ -276,8 +272,12 @@ class Service:
         texts = list(body.prompt)
       else:
         texts = [text.decode(self.engine.tokenizer, ids) for ids in prompts]
-    return [Job(ids, dataclasses.replace(params, max_new_tokens=budget) if budget else None,
-                shown, top) for ids, budget, shown in zip(prompts, budgets, texts, strict=True)]
+    jobs = []
+    for ids, budget, shown in zip(prompts, budgets, texts, strict=True):
+      job_params = dataclasses.replace(params, max_new_tokens=budget) if budget else None
+      jobs.append(Job(ids, job_params, shown, top,
+                      None if job_params is None else self._request(ids, job_params)))
+    return jobs
 
   def chat_jobs(self, body: ChatCompletionRequest) -> list[Job]:
     """The job of a chat request; `top_logprobs` needs `logprobs: true`."""
@@ -289,7 +289,8 @@ class Service:
     max_tokens, name = body.max_tokens, "max_tokens"
     if body.max_completion_tokens is not None:
       max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
-    params = self._sampling(body, top, {"max_new_tokens": name, "logprobs": "top_logprobs"})
+    names = {"max_new_tokens": name, "logprobs": "top_logprobs"}
+    params = self._sampling(body, top, names)
     if self.chat_template is None:
       raise bad_request("messages", f"the model {self.model_name!r} has no chat template (no "
                              "chat_template in its tokenizer_config.json): use /v1/completions",
@@ -300,7 +301,8 @@ class Service:
     if not ids:
       raise bad_request("messages", "the rendered chat prompt is empty")
     budgets = self._lengths([ids], max_tokens, "messages", name)
-    return [Job(ids, dataclasses.replace(params, max_new_tokens=budgets[0]), None, top)]
+    params = dataclasses.replace(params, max_new_tokens=budgets[0])
+    return [Job(ids, params, None, top, self._request(ids, params, names))]
 
   def render(self, messages: Sequence[ChatMessage]) -> str:
     """The chat prompt of `messages` (text content parts joined)."""
@@ -368,8 +370,8 @@ class Service:
     handles = []
     try:
       for job in jobs:
-        handles.append(None if job.params is None else self.engine.submit(
-            job.ids, params=job.params, timeout=self.request_timeout))
+        handles.append(None if job.request is None else self.engine.submit_validated(
+            job.request, timeout=self.request_timeout))
     except Exception as error:  # noqa: BLE001 - every failure cancels the jobs queued before it
       for handle in handles:
         if handle is not None:
@@ -378,13 +380,13 @@ class Service:
     self.metrics.prompt_tokens.inc(sum(len(job.ids) for job in jobs))
     return handles
 
-  async def complete(self, request: fastapi.Request,
-                     handles: list[Handle | None]) -> list[Completion]:
+  async def complete(self, receive, handles: list[Handle | None]) -> list[Completion]:
     """Every request's completion (`_NOTHING` for a job that generates nothing); raises
-    `ClientGone` (requests cancelled) if the client disconnects first."""
+    `ClientGone` (requests cancelled) if the client disconnects first (`receive`: the request's
+    ASGI receive, its body read already)."""
     live = [h for h in handles if h is not None]
     work = asyncio.ensure_future(asyncio.gather(*(_finish(h) for h in live)))
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(receive))
     try:
       await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
       if not work.done():
@@ -518,10 +520,11 @@ class Service:
           handle.cancel()
 
 
-async def _disconnected(request: fastapi.Request) -> None:
-  """Returns once the client has disconnected (the body was read already)."""
+async def disconnected(receive) -> None:
+  """Returns once the client has disconnected (`receive`: the request's ASGI receive, its body
+  read already)."""
   while True:
-    message = await request.receive()
+    message = await receive()
     if message["type"] == "http.disconnect":
       return
 
