@@ -13,7 +13,8 @@ One line per stream count: tokens/s, the client's TPOT and the server's, the fro
 microseconds per token. `--trace N` first sends N streamed requests one at a time over a raw
 socket (one prompt of the --prompt-len upper bound) and prints the median time between the
 stages of each one's first chunk (marks patched onto uvicorn's parser and sender, the service
-and the core client), then the first chunk's median through the openai client.
+and the core client), then the first chunk's median through the openai client, and the same
+client's against a stand-in server that answers at once (the client's own floor).
 """
 import argparse
 import asyncio
@@ -154,8 +155,15 @@ def trace(port: int, count: int, prompt_len: int) -> None:
     spans.setdefault("6 client has it", []).append(end - last)
     spans.setdefault("first chunk", []).append(end - start)
   spans["first chunk, openai client"] = asyncio.run(_openai_first_chunks(port, count, prompt_len))
+  spawn = multiprocessing.get_context("spawn")
+  ports = spawn.SimpleQueue()
+  canned = spawn.Process(target=_canned, args=(ports,), daemon=True)
+  canned.start()
+  spans["openai client, canned answer"] = asyncio.run(
+      _openai_first_chunks(ports.get(), count, prompt_len))
+  canned.terminate()
   for stage, times in sorted(spans.items()):
-    print(f"trace: {stage:26s} {statistics.median(times) * 1e3:7.3f} ms", flush=True)
+    print(f"trace: {stage:29s} {statistics.median(times) * 1e3:7.3f} ms", flush=True)
 
 
 async def _openai_first_chunks(port: int, count: int, prompt_len: int) -> list[float]:
@@ -173,6 +181,32 @@ async def _openai_first_chunks(port: int, count: int, prompt_len: int) -> list[f
         first = time.perf_counter() - start
     times.append(first)
   return times[3:]
+
+
+def _canned(ports) -> None:
+  """A stand-in server answering every request at once with one chunk and [DONE]: the openai
+  client's own first-chunk time (its floor with any server), put in `ports` its port."""
+  chunk = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
+                      "choices": [{"index": 0, "text": "a", "logprobs": None,
+                                   "finish_reason": None}]})
+  events = [f"data: {chunk}\n\n".encode(), b"data: [DONE]\n\n"]
+  answer = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" +
+            b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+
+  async def answer_all(reader, writer):
+    while head := await reader.readuntil(b"\r\n\r\n"):
+      length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:"))
+      await reader.readexactly(length)
+      writer.write(answer)
+
+  async def run():
+    server = await asyncio.start_server(answer_all, "127.0.0.1", 0)
+    ports.put(server.sockets[0].getsockname()[1])
+    await server.serve_forever()
+
+  asyncio.run(run())
 
 
 def cpu_s(pid: int) -> float:

@@ -8,10 +8,11 @@
 # travels to the device), first on the path for its steps. serve_run NAME TREE DIR LIST [serve
 # options]: `serve` (the first of a machine start compiles, later ones load stored executables)
 # and `bench serve` for each of LIST (N at once from 8 client processes, 16 past 64; "1": 16
-# arriving 2 a second from one). inproc_run NAME TREE DIR: `bench throughput` at 16, 64 and one
-# stream. Each row goes to OUT/bench.jsonl with `probe`: its label and the front end's and the
-# core's CPU seconds (from /proc), and a line is printed. Results: results/serving_front_end_h100.
-# The device's serving packages come from .whl (gpu_session.sh's http_install).
+# arriving 2 a second from one). inproc_run NAME TREE DIR [LIST]: `bench throughput` for each
+# of LIST (as serve_run's; default 16,64,1). Each row goes to OUT/bench.jsonl with `probe`: its
+# label and the front end's and the core's CPU seconds (from /proc), and a line is printed.
+# Results: results/serving_front_end_h100. The device's serving packages come from .whl
+# (gpu_session.sh's http_install).
 set -u
 out=$1; mkdir -p "$out"
 PORT=8123
@@ -69,12 +70,15 @@ serve_run() {  # name tree model-dir bench-list extra-serve-args...
   kill -TERM $server; wait $server
   FRONT=1; CORE=1
 }
-inproc_run() {  # name tree model-dir
-  for n in 16 64; do
-    bench "$1 inproc $n" $2 throughput --model $3 --max-seq-len 1024 --num-requests $n
+inproc_run() {  # name tree model-dir [list]
+  local list=${4:-16,64,1}
+  for n in ${list//,/ }; do
+    case $n in
+      1) bench "$1 inproc 1 (16 at 2/s)" $2 throughput --model $3 --max-seq-len 1024 \
+           --num-requests 16 --rate 2 ;;
+      *) bench "$1 inproc $n" $2 throughput --model $3 --max-seq-len 1024 --num-requests $n ;;
+    esac
   done
-  bench "$1 inproc 1 (16 at 2/s)" $2 throughput --model $3 --max-seq-len 1024 --num-requests 16 \
-    --rate 2
 }
 ck() {  # model -> its random-weight checkpoint (written once)
   [ -f $CKPT/$1/config.json ] || PYTHONPATH=$PWD python3 benchmarks/make_checkpoints.py \
