@@ -27,11 +27,11 @@
 #
 # The GPU machine has no package index. `serve` installs fastapi, uvicorn, openai, ... from the
 # wheels in .whl/ into a directory of their own (never into the interpreter's environment; only
-# what it lacks, and never numpy, jax or torch). The wheels (about 9 MB), on a machine with an
+# what it lacks, and never numpy, jax or torch). The wheels (about 16 MB), on a machine with an
 # index, from the repo root:
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --implementation cp -d .whl \
-#     fastapi uvicorn uvloop pyzmq openai httpx prometheus-client jinja2 pip
+#     fastapi "uvicorn[standard]" pyzmq openai httpx prometheus-client jinja2 pip
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [parts]}
 parts=${2:-bench}
@@ -74,8 +74,10 @@ http_install() {  # the serve extra and the openai client from .whl into $1; PYT
   pip_wheel=$(ls "$wheels"/pip-*.whl | tail -1)
   local pip=(python3 "$pip_wheel/pip" --isolated --disable-pip-version-check --no-input)
   local offline=(--no-index --find-links "$wheels" --only-binary=:all: --root-user-action=ignore)
-  local wanted=("fastapi>=0.115" "uvicorn>=0.30" uvloop "prometheus-client>=0.20" "jinja2>=3.1.6"
-                "pyzmq>=25" httpx "openai>=1.40")
+  # (as pyproject's serve extra: uvicorn[standard] brings httptools, without which uvicorn
+  # parses HTTP in pure Python, h11)
+  local wanted=("fastapi>=0.115" "uvicorn[standard]>=0.30" "prometheus-client>=0.20"
+                "jinja2>=3.1.6" "pyzmq>=25" httpx "openai>=1.40")
   rm -rf "$dest" && mkdir -p "$dest"
   # What pip would add to this interpreter (nothing it has at a fitting version), then only that.
   "${pip[@]}" install --dry-run --quiet --report "$dest.plan.json" "${offline[@]}" "${wanted[@]}"
@@ -91,7 +93,7 @@ EOF
   [ -z "$plan" ] || "${pip[@]}" install --quiet --no-deps --target "$dest" \
     --no-warn-script-location "${offline[@]}" $plan
   export PYTHONPATH=$dest:$PYTHONPATH
-  python3 -c "import fastapi, uvicorn, uvloop, zmq, openai, prometheus_client, jinja2, numpy, jax"
+  python3 -c "import fastapi, uvicorn, uvloop, httptools, zmq, openai, prometheus_client, jinja2, numpy, jax"
 }
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 latency=(--prompt-len 512 --output-len 128 --max-seq-len 1024)
