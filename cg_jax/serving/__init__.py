@@ -8,8 +8,8 @@ Rules:
   * Every request is validated on the host before anything is queued; a bad one gets a 400 in
     OpenAI's error format naming the parameter, the value and the allowed range (pydantic's
     validation errors included: never a 422); one validation pass a request (the engine takes
-    it validated, `submit_validated`). An unknown model is a 404, a full queue (`QueueFull`) a 429, a
-    closed engine a 503, a request past its `request_timeout` a 504.
+    it validated, `submit_validated`). An unknown model is a 404, a full queue (`QueueFull`) a
+    429, a closed engine a 503, a request past its `request_timeout` a 504.
   * The event loop never blocks on the engine: tokens arrive through the handles' `async for`.
   * A client that disconnects cancels its requests, which frees their KV blocks.
   * `serve` binds its socket before anything compiles (a busy port fails at once,

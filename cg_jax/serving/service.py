@@ -140,10 +140,10 @@ class Service:
   def _sampling(self, body: SamplingFields, logprobs: int | None,
                 names: Mapping[str, str] = OPENAI_NAMES) -> SamplingParams:
     """The request's `SamplingParams` (max_new_tokens left at its default: each job sets its
-    own; `_request` checks them against the model). Temperature 0 is greedy: OpenAI's other sampling
-    fields then go to the engine as off (no engine warning). A bad value is a 400 naming its
-    OpenAI field (`names`: field -> OpenAI name; the others are named alike). The server's own
-    limits: temperature up to MAX_TEMPERATURE, top_k -1 as off."""
+    own; `_request` checks them against the model). Temperature 0 is greedy: OpenAI's other
+    sampling fields then go to the engine as off (no engine warning). A bad value is a 400
+    naming its OpenAI field (`names`: field -> OpenAI name; the others are named alike). The
+    server's own limits: temperature up to MAX_TEMPERATURE, top_k -1 as off."""
     temperature = 1.0 if body.temperature is None else body.temperature
     if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
       raise bad_request("temperature", f"temperature={temperature} is out of range: allowed 0 to "
