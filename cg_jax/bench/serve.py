@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import math
 import multiprocessing
 import os
@@ -68,14 +69,6 @@ from tqdm.auto import tqdm
 from cg_jax.bench import options, rows
 from cg_jax.bench.rows import Row
 
-try:  # the official client: the `bench` extra (and `test-core`), not a core dependency
-  import openai
-except ImportError as missing:
-  openai = None
-  OPENAI_MISSING = str(missing)
-else:
-  OPENAI_MISSING = ""
-
 SHOWN_ERRORS = 3  # failed requests whose message is printed
 START_AHEAD_S = 0.05  # the common start, after every client is ready
 DEFAULT_CLIENTS = min(8, os.cpu_count() or 1)  # (one per core, up to 8)
@@ -85,6 +78,18 @@ _SPAWN = multiprocessing.get_context("spawn")
 SERVER_HISTOGRAMS = (("server_ttft_ms_mean", "time_to_first_token_seconds"),
                      ("server_tpot_ms_mean", "time_per_output_token_seconds"))
 _SAMPLE = re.compile(r"^(\S+?)_(sum|count)(?:\{[^}]*\})? (\S+)$")
+
+
+def client_module():
+  """The official `openai` client (the `bench` extra, and `test-core`; not a core dependency),
+  imported when a benchmark sends: `python -m cg_jax` imports this module for every command,
+  and the client's import, about a second, would delay `serve`'s start-up and the others'.
+  A ValueError says how to install it."""
+  try:
+    return importlib.import_module("openai")
+  except ImportError as missing:
+    raise ValueError(f"bench serve needs the `openai` package ({missing}): "
+                     "pip install 'cg_jax[bench]'") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +160,7 @@ def workload(num_requests: int, prompt_len: tuple[int, int], rate: float, vocab_
 
 def message(error: BaseException) -> str:
   """A failed request's error in one line: the HTTP status and the server's message if any."""
-  if openai is not None and isinstance(error, openai.APIStatusError):
+  if isinstance(error, client_module().APIStatusError):
     body = error.body
     text = body.get("message") if isinstance(body, dict) else None
     return f"HTTP {error.status_code}: {text or error.message}"
@@ -165,6 +170,7 @@ def message(error: BaseException) -> str:
 async def _request(client: Any, args: argparse.Namespace, prompt: list[int], max_tokens: int,
                    start: float, arrival: float, gate: Any, record: Record,
                    done: Callable[[], None]) -> None:
+  openai = client_module()
   await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
   async with gate:
     record.sent = time.perf_counter()
@@ -201,6 +207,7 @@ async def _send(args: argparse.Namespace, work: Workload, share: Sequence[int], 
   records = [Record() for _ in share]
   gate = asyncio.Semaphore(cap) if cap else contextlib.nullcontext()
   api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+  openai = client_module()
   client = openai.AsyncOpenAI(base_url=args.base_url, api_key=api_key, max_retries=0,
                               timeout=args.request_timeout)
   try:
@@ -381,9 +388,7 @@ class Measurement:
 
 def measure(args: argparse.Namespace) -> Measurement:
   """Checks the options (a ValueError naming the flag), sends the workload and records it."""
-  if openai is None:
-    raise ValueError(f"bench serve needs the `openai` package ({OPENAI_MISSING}): "
-                     "pip install 'cg_jax[bench]'")
+  client_module()
   options.integer("--num-requests", args.num_requests)
   options.integer("--output-len", args.output_len)
   options.integer("--max-concurrency", args.max_concurrency, optional=True)
