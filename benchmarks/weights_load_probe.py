@@ -44,7 +44,7 @@ def main(directory: str) -> None:
     _, placed = timed(lambda: put(weights, device))
     contiguous, relayout = timed(lambda: {k: np.ascontiguousarray(v) for k, v in weights.items()})
     _, placed_contiguous = timed(lambda: put(contiguous, device))
-    del contiguous
+    contiguous = None  # (freed before the next part)
     stored = safe_open(f"{directory}/model.safetensors", "numpy")
     raw, raw_read = timed(lambda: {n: stored.get_tensor(n) for n in stored.keys()})
     _, raw_placed = timed(lambda: put(raw, device))
