@@ -11,7 +11,6 @@ response's requests are cancelled however it ends (finished, failed, the client 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -21,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from cg_jax.serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                      SamplingFields, StreamOptions, bad_request, engine_error,
                                      validation_error)
-from cg_jax.serving.service import ClientGone, Job, Service, completion_response, disconnected
+from cg_jax.serving.service import ClientGone, Job, Service, completion_response, unless_gone
 
 log = logging.getLogger("uvicorn.error")
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
@@ -82,18 +81,16 @@ class GenerationRoutes:
         await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
       await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    writer = asyncio.ensure_future(write())
-    gone = asyncio.ensure_future(disconnected(receive))
     try:
-      await asyncio.wait((writer, gone), return_when=asyncio.FIRST_COMPLETED)
+      await unless_gone(receive, write())
+    except ClientGone:
+      pass
+    except Exception as error:  # noqa: BLE001 - the response has started: nothing to answer
+      log.warning("a streamed response ended early: %r", error)
     finally:
-      writer.cancel()
-      gone.cancel()
       for handle in handles:
         if handle is not None:
           handle.cancel()
-    if writer.done() and not writer.cancelled() and writer.exception() is not None:
-      log.warning("a streamed response ended early: %r", writer.exception())
 
 
 async def _body(receive) -> bytes:

@@ -12,8 +12,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,6 +36,7 @@ WARMUP_PHASES = (*SERVING_PHASES, "logprobs")
 PROGRESS_EVERY = 5.0  # seconds between the warm-up's progress lines in the log
 # uvicorn's log (its format and level): the server's own lines go there too.
 log = logging.getLogger("uvicorn.error")
+T = TypeVar("T")
 
 
 
@@ -385,20 +386,14 @@ class Service:
     `ClientGone` (requests cancelled) if the client disconnects first (`receive`: the request's
     ASGI receive, its body read already)."""
     live = [h for h in handles if h is not None]
-    work = asyncio.ensure_future(asyncio.gather(*(_finish(h) for h in live)))
-    gone = asyncio.ensure_future(disconnected(receive))
     try:
-      await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-      if not work.done():
-        self.metrics.cancelled.inc(len(live))
-        raise ClientGone()
-      try:
-        completions = work.result()
-      except Exception as error:  # noqa: BLE001 - answered in OpenAI's format
-        raise engine_error(error) from None
+      completions = await unless_gone(receive, asyncio.gather(*(_finish(h) for h in live)))
+    except ClientGone:
+      self.metrics.cancelled.inc(len(live))
+      raise
+    except Exception as error:  # noqa: BLE001 - answered in OpenAI's format
+      raise engine_error(error) from None
     finally:
-      gone.cancel()
-      work.cancel()
       for handle in live:
         handle.cancel()
     for completion in completions:
@@ -520,9 +515,22 @@ class Service:
           handle.cancel()
 
 
-async def disconnected(receive) -> None:
-  """Returns once the client has disconnected (`receive`: the request's ASGI receive, its body
-  read already)."""
+async def unless_gone(receive, work: Awaitable[T]) -> T:
+  """`work`'s result, unless the client disconnects first: then `work` is cancelled and this
+  raises `ClientGone` (`receive`: the request's ASGI receive, its body read already)."""
+  task = asyncio.ensure_future(work)
+  gone = asyncio.ensure_future(_disconnected(receive))
+  try:
+    await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+      raise ClientGone()
+    return task.result()
+  finally:
+    task.cancel()
+    gone.cancel()
+
+
+async def _disconnected(receive) -> None:
   while True:
     message = await receive()
     if message["type"] == "http.disconnect":
