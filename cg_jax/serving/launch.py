@@ -1,7 +1,9 @@
 """`serve`'s processes: one engine-core process (`cg_jax.core.process`: the scheduler, the
 executables and the KV cache) and N front ends (`CoreClient` + the FastAPI app on uvicorn),
 all on one listening socket bound before anything starts. With one front end it runs in this
-process; with more, each is a process of its own and this one supervises them.
+process; with more, each is a process of its own and this one supervises them. The core is the
+process `python -m cg_jax serve` started before its imports (`cg_jax.core.prestart`: it imports
+jax and the engine meanwhile), else one started here.
 
 Faults: the core's death fails every request in flight (503), turns /health to 503 and stops
 the server with exit status 1 and a log line saying why; a front end's death is logged, its
@@ -28,7 +30,7 @@ import jax
 import zmq
 
 from cg_jax import text
-from cg_jax.core import process, wire
+from cg_jax.core import prestart, process, wire
 from cg_jax.engine import Engine
 from cg_jax.hub import resolve_model
 from cg_jax.serving.app import EngineDied, WarmupFailed, create_app, load_chat_template, serve
@@ -115,9 +117,7 @@ def serve_model(model: str, *, sock: socket.socket, engine_options: dict[str, An
   logging.basicConfig(format="%(levelname)s:     %(message)s", level=log_level.upper())
   directory = tempfile.mkdtemp(prefix="cg_jax-")
   build = functools.partial(Engine.from_pretrained, model, **engine_options)
-  core = _SPAWN.Process(target=process.run, args=(directory, build, WARMUP_PHASES, log_level),
-                        name="cg_jax-core")
-  core.start()
+  core = prestart.take().run(process.run, directory, build, WARMUP_PHASES, log_level)
   log.info("engine core process started (pid %d); %d front end%s", core.pid, api_servers,
            "" if api_servers == 1 else "s")
   args = (directory, core.pid, model, served_model_name or model, request_timeout, sock,
