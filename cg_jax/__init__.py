@@ -38,7 +38,8 @@ _EXPORTS = {
     "SamplingParams": "cg_jax.sampling_params",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = ["Buckets", "Engine", "EngineConfig", "FlashAttentionConfig", "ForwardConfig",
+           "GenerationResult", "ParamError", "SamplingParams", "StreamChunk", "__version__"]
 
 
 def __getattr__(name: str):

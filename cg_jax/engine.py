@@ -13,6 +13,7 @@ parameters) and `cg_jax.validation` (prompts and requests).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,12 @@ from models.config import PRESETS, DecoderConfig
 from models.decoder import cache_bytes
 
 __all__ = ["Engine", "GenerationResult", "Handle", "SamplingParams", "StreamChunk"]
+
+log = logging.getLogger("cg_jax")
+
+
+class _Stopped(Exception):
+  """Raised by `warmup_behind`'s progress check: stop building."""
 
 
 def default_dtype() -> str:
@@ -266,6 +273,9 @@ class Engine:
     (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start
     fast.
 
+    Requests may run meanwhile: the compiles hold no lock (a request that needs an executable
+    being built waits for that build, `ExecutableTable.get`), only the priming does.
+
     With `progress`, a bar on stderr counts the executables to compile (none: no bar).
     `on_progress(done, total)` is called at the start and after each executable is ready (done
     of total, the ones ready before included); an exception from it stops the warm-up once the
@@ -277,13 +287,36 @@ class Engine:
     """
     keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
     start = time.perf_counter()
-    with self._lock:
-      times = self.executables.compile(keys, progress=progress, workers=workers,
-                                       on_progress=on_progress)
-      self._scheduler.prime(keys)
-      self._compiles_at_warmup = compile_stats.compile_count()
+    # (compiles need no lock: requests keep running while a warm-up adds executables)
+    times = self.executables.compile(keys, progress=progress, workers=workers,
+                                     on_progress=on_progress)
+    if any(key[0] == "step" for key in keys):
+      with self._lock:
+        self._scheduler.prime(keys)
+    self._compiles_at_warmup = compile_stats.unplanned_count()
     self._warmup_wall_s = time.perf_counter() - start
     return times
+
+  def warmup_behind(self, phases: Sequence[str], stopping: Callable[[], bool]) -> None:
+    """`warmup(phases=phases)` while the engine serves (a server builds its log-probability
+    executables so, once its serving ones are ready), logging its end or its failure (the
+    requests that need those executables then build them); it stops early once `stopping()`."""
+    start, before = time.monotonic(), len(self.executables.compiled)
+
+    def check(done: int, total: int) -> None:
+      if stopping():
+        raise _Stopped()
+
+    try:
+      self.warmup(phases=phases, progress=False, on_progress=check)
+    except _Stopped:
+      return
+    except Exception as error:  # noqa: BLE001 - logged; see above
+      log.warning("building the %s executables behind the requests failed (%s: %s); a request "
+                  "that needs one builds it", "/".join(phases), type(error).__name__, error)
+    else:
+      log.info("%d more executables (%s) ready in %.1f s",
+               len(self.executables.compiled) - before, "/".join(phases), time.monotonic() - start)
 
   def stats(self) -> dict[str, Any]:
     """Compile counters, and the configuration that runs (`EngineConfig.as_dict`)."""
@@ -291,7 +324,7 @@ class Engine:
     return {
         "compiles_total": count,
         "compiles_since_warmup": None if self._compiles_at_warmup is None
-        else count - self._compiles_at_warmup,
+        else compile_stats.unplanned_count() - self._compiles_at_warmup,
         "compile_seconds_total": compile_stats.compile_seconds(),
         "persistent_cache_hits": compile_stats.cache_hit_count(),
         "executables_loaded": self.executables.loaded,

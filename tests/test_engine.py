@@ -4,6 +4,8 @@ import collections
 import dataclasses
 import math
 import re
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,66 @@ def test_compile_counter_counts(engine):
   before = compile_stats.compile_count()
   jnp.arange(7919).sum().block_until_ready()  # a shape nothing else uses
   assert compile_stats.compile_count() > before
+
+
+def _slow_builds(table, monkeypatch, seconds=0.3):
+  """Count the table's builds per key, each taking at least `seconds`."""
+  built = collections.Counter()
+  build = table._build
+
+  def slow(key):
+    built[key] += 1
+    time.sleep(seconds)
+    return build(key)
+
+  monkeypatch.setattr(table, "_build", slow)
+  return built
+
+
+def test_a_key_being_warmed_up_is_waited_for_not_built_twice(monkeypatch):
+  """`get` of a key a warm-up is building (in its pool) waits for that build; the warm-up
+  running beside requests keeps `compiles_since_warmup` at 0 (its compiles are planned), a
+  compile on the request path counts."""
+  engine = Engine.from_pretrained("tiny-llama", **ENGINE_OPTIONS)
+  engine.warmup(phases=SERVING_PHASES, progress=False)
+  table = engine.executables
+  built = _slow_builds(table, monkeypatch)
+  keys = engine.executable_keys(phases=("logprobs",))
+  warm = threading.Thread(target=engine.warmup, kwargs=dict(phases=("logprobs",), progress=False,
+                                                            workers=len(keys)))
+  warm.start()
+  deadline = time.monotonic() + 30
+  while not built and time.monotonic() < deadline:
+    time.sleep(0.01)
+  key = keys[-1]
+  exe = table.get(key)  # (requested while the warm-up builds it)
+  warm.join(60)
+  assert table.compiled[key] is exe and all(key in table.compiled for key in keys)
+  assert dict(built) == {key: 1 for key in keys if key != ("cache",)}  # (built before)
+  scores = engine.score([3, 4, 5, 6])
+  assert len(scores) == 3 and engine.stats()["compiles_since_warmup"] == 0
+  table.get(("first", 1, True))  # (a key no warm-up built: compiled here, on the caller's path)
+  assert engine.stats()["compiles_since_warmup"] == 1
+  engine.close()
+
+
+def test_a_stopped_warmup_leaves_its_unstarted_keys_to_get(monkeypatch):
+  engine = Engine.from_pretrained("tiny-llama", **ENGINE_OPTIONS)
+  table = engine.executables
+  built = _slow_builds(table, monkeypatch, seconds=0.05)
+  keys = engine.executable_keys(phases=("logprobs",))
+
+  def stop(done, total):
+    if done:
+      raise InterruptedError
+
+  with pytest.raises(InterruptedError):
+    table.compile(keys, progress=False, workers=1, on_progress=stop)
+  missing = [key for key in keys if key not in table.compiled]
+  assert not table._building and sum(built.values()) == len(keys) - len(missing) < len(keys)
+  assert all(table.get(key) is table.compiled[key] for key in missing)
+  assert set(built) == set(keys) and set(built.values()) == {1}
+  engine.close()
 
 
 # --------------------------------------------------------------------------------------------------

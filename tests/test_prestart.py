@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import cg_jax
 from cg_jax.core import prestart
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,8 +42,8 @@ def test_import_cg_jax_imports_no_jax_until_a_public_name_is_used():
   """)
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["False", "True", "cg_jax.engine", "True"]
+  assert sorted(cg_jax._EXPORTS) == sorted(set(cg_jax.__all__) - {"__version__"})
   with pytest.raises(AttributeError, match="no attribute 'Engin'"):
-    import cg_jax
     cg_jax.Engin  # noqa: B018
 
 

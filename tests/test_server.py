@@ -855,8 +855,10 @@ def test_health_and_the_api_answer_503_while_warming_up(engine):
 
   app = server.create_app(engine, MODEL, close_engine=False)
   warm = app.state.service.warmup
-  warm.engine = type("Held", (), {"warmup": staticmethod(held),
-                                  "executable_keys": staticmethod(_nine)})()
+  behind = []  # the later phases, built once ready
+  warm.engine = type("Held", (), {
+      "warmup": staticmethod(held), "executable_keys": staticmethod(_nine),
+      "warmup_behind": staticmethod(lambda phases, stopping: behind.append(phases))})()
   client = None
   with _serving(app, ready=False) as port:
     try:
@@ -886,6 +888,8 @@ def test_health_and_the_api_answer_503_while_warming_up(engine):
       gate.set()
       assert _wait_health(port, 200, timeout=30) == {"status": "ok"}
       assert warm.state == "ready" and warm.done == total
+      warm._thread.join(30)
+      assert behind == [server.LATER_PHASES] == [("logprobs",)]
       reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
                                         temperature=0)
       assert reply.choices[0].text == engine.generate([PROMPTS[0]], max_new_tokens=8).texts[0]

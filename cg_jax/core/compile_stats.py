@@ -12,18 +12,20 @@ import jax
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
-_counts = {"compiles": 0, "compile_seconds": 0.0, "cache_hits": 0}
+_counts = {"compiles": 0, "compile_seconds": 0.0, "cache_hits": 0, "unplanned": 0}
 _cache_dir: list[str | None] = []  # the directory configured first in this process, if any
 
 
+_thread = threading.local()  # the current thread's cache hits and whether it warms up
+
+
 def _on_duration(event: str, duration_secs: float, **_):
-  if event == _COMPILE_EVENT:
+  if event == _COMPILE_EVENT:  # (emitted by the compiling thread)
     with _lock:
       _counts["compiles"] += 1
       _counts["compile_seconds"] += duration_secs
-
-
-_thread = threading.local()  # cache hits of the current thread (the compiling one emits them)
+      if not getattr(_thread, "warming", False):
+        _counts["unplanned"] += 1
 
 
 def _on_event(event: str, **_):
@@ -43,6 +45,17 @@ def compile_count() -> int:
   Any increase on the request path means a shape or setting was not compiled at start-up.
   """
   return _counts["compiles"]
+
+
+def warming_thread() -> None:
+  """Mark the calling thread as a warm-up's (a compile pool's): its compiles are planned."""
+  _thread.warming = True
+
+
+def unplanned_count() -> int:
+  """`compile_count` less the warm-up threads' builds: a warm-up running beside requests (a
+  server's log-probability executables) does not count, a compile on the request path does."""
+  return _counts["unplanned"]
 
 
 def cache_hit_count() -> int:

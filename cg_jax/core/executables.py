@@ -19,7 +19,8 @@ Every executable that reads or writes the cache takes the block tables of its ro
 [rows, W]; `cg_jax.core.steps`): no executable copies cache blocks. The scheduler
 (`cg_jax.core.scheduler`) uses the serving phase (`SERVING_PHASES`: load, step and draw) and, for
 requests with log-probabilities, "logprobs" (token_logprobs, score: compiled on first use unless
-warmed up); the static "prefill" and "first" serve benchmarks.
+warmed up); the static "prefill" and "first" serve benchmarks. A key is built once: `get` of a
+key that a warm-up is building (a server's, while it serves) waits for that build.
 The prefill executables (`prefills`: steps of more tokens than rows, "score", "prefill")
 compile with `EngineConfig.prefill_xla_options` (their GEMM backend), the others (decode-sized
 steps among them) with `EngineConfig.xla_options`.
@@ -45,6 +46,7 @@ import pathlib
 import pickle
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -87,6 +89,9 @@ class ExecutableTable:
     self.compiled: dict[tuple, Any] = {}
     self.compile_seconds: dict[tuple, float] = {}
     self.loaded = 0  # executables loaded from the store
+    # Builds in flight, shared by `compile` and `get` (`_claim`).
+    self._building: dict[tuple, concurrent.futures.Future] = {}
+    self._building_lock = threading.Lock()
     self._store = None
     if store is not None and parallel is None:
       self._store = pathlib.Path(store) / "executables"
@@ -202,13 +207,46 @@ class ExecutableTable:
                    out_shardings=outs).lower(*args)
 
   def get(self, key: tuple):
-    """The compiled executable of a key, compiling it now if warm-up did not."""
-    exe = self.compiled.get(key)
-    if exe is None:
-      exe, self.compile_seconds[key], loaded = self._build(key)
-      self.loaded += loaded
-      self.compiled[key] = exe
-    return exe
+    """The compiled executable of a key: built now if no one has, or, while a warm-up is
+    building it, once that build is done (never built twice)."""
+    while True:
+      exe = self.compiled.get(key)
+      if exe is not None:
+        return exe
+      future, mine = self._claim(key)
+      if mine:
+        self._run(future, key)
+      try:
+        return future.result()[0]
+      except concurrent.futures.CancelledError:  # a stopped warm-up never started it
+        continue
+
+  def _claim(self, key: tuple) -> tuple[concurrent.futures.Future, bool]:
+    """The future of a key's build: the one in flight (False), or a new one the caller must
+    run or submit (True); when it completes, its executable is published to `compiled`."""
+    with self._building_lock:
+      future = self._building.get(key)
+      if future is not None:
+        return future, False
+      future = self._building[key] = concurrent.futures.Future()
+      future.add_done_callback(functools.partial(self._publish, key))
+      return future, True
+
+  def _run(self, future: concurrent.futures.Future, key: tuple) -> None:
+    """Build a claimed key in this thread into its future (unless it was cancelled)."""
+    if future.set_running_or_notify_cancel():
+      try:
+        future.set_result(self._build(key))
+      except BaseException as error:  # noqa: BLE001 - the future's waiters get it
+        future.set_exception(error)
+
+  def _publish(self, key: tuple, future: concurrent.futures.Future) -> None:
+    with self._building_lock:
+      del self._building[key]
+      if not future.cancelled() and future.exception() is None:
+        exe, seconds, loaded = future.result()
+        self.compiled[key], self.compile_seconds[key] = exe, seconds
+        self.loaded += loaded
 
   def _stored(self, key: tuple) -> pathlib.Path | None:
     if self._store is None:
@@ -257,28 +295,42 @@ class ExecutableTable:
     if on_progress is not None:
       on_progress(done, len(unique))
     todo = [key for key in unique if key not in self.compiled]
+    seconds = {key: self.compile_seconds.get(key, 0.0) for key in unique}
     if todo:
       stored = sum(path is not None and path.exists() for path in map(self._stored, todo))
       workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
-      pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cg_jax-compile")
+      pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cg_jax-compile",
+                                                   initializer=compile_stats.warming_thread)
       bar = tqdm(total=len(todo) - stored, desc="compiling", unit="exe",
                  disable=not progress or len(todo) == stored, file=sys.stderr,
                  mininterval=_bar_interval())
+      claimed = []
       try:
-        futures = {pool.submit(self._build, key): key for key in todo}
+        futures = {}
+        for key in todo:  # (a key another thread builds already is waited for, not built again)
+          future, mine = self._claim(key)
+          if mine:
+            claimed.append(future)
+            pool.submit(self._run, future, key)
+          futures[future] = key
         for future in concurrent.futures.as_completed(futures):
           key = futures[future]
-          self.compiled[key], self.compile_seconds[key], loaded = future.result()
-          self.loaded += loaded
+          if future.cancelled():  # (another thread's warm-up stopped before building it)
+            self.get(key)
+            seconds[key], loaded = self.compile_seconds[key], False
+          else:
+            _, seconds[key], loaded = future.result()
           if not loaded:
             bar.update()
           done += 1
           if on_progress is not None:
             on_progress(done, len(unique))
       finally:  # on an error, the builds not started are dropped; the running ones finish
-        pool.shutdown(wait=True, cancel_futures=True)
+        for future in claimed:
+          future.cancel()  # (only those not started: `get` builds them when asked)
+        pool.shutdown(wait=True)
         bar.close()
-    return {"/".join(map(str, k)): self.compile_seconds.get(k, 0.0) for k in keys}
+    return {"/".join(map(str, k)): seconds[k] for k in keys}
 
   def prime(self, keys: Sequence[tuple], weights: list, cache: KVCache,
             staged) -> tuple[KVCache, Any]:

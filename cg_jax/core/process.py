@@ -151,10 +151,12 @@ class Core:
   Args:
     build: makes the engine (called in the loader thread; an `Engine`, used through its public
       methods only).
-    phases: the executables' phases to warm up once it is built.
+    phases: the executables' phases to warm up once it is built (then it is ready).
+    later: the phases whose executables it builds next, while it serves.
   """
 
-  def __init__(self, directory: str, build: Callable[[], Any], phases: Sequence[str]):
+  def __init__(self, directory: str, build: Callable[[], Any], phases: Sequence[str],
+               later: Sequence[str] = ()):
     self.context = zmq.Context()
     self.inbox = self.context.socket(zmq.PULL)
     self.inbox.setsockopt(zmq.LINGER, 0)
@@ -163,7 +165,7 @@ class Core:
     self.engine = None
     self.state, self.error = "loading", None
     self.done = self.total = 0
-    self._build, self._phases = build, tuple(phases)
+    self._build, self._phases, self._later = build, tuple(phases), tuple(later)
     self._started = time.monotonic()
     self._ready_at: float | None = None
     self._requests: dict[tuple[str, int], _CoreGroup] = {}
@@ -192,6 +194,8 @@ class Core:
     self._ready_at = time.monotonic()
     self.state = "ready"
     log.info("engine core ready in %.1f s (pid %d)", self._ready_at - self._started, os.getpid())
+    if self._later:
+      self.engine.warmup_behind(self._later, stopping=lambda: self._stop)
 
   def _progress(self, done: int, total: int) -> None:
     self.done, self.total = done, total
@@ -296,8 +300,8 @@ class Core:
 
 
 def run(directory: str, build: Callable[[], Any], phases: Sequence[str],
-        log_level: str = "info") -> None:
+        later: Sequence[str] = (), log_level: str = "info") -> None:
   """The engine-core process's entry (`multiprocessing` target; see the module docstring)."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
-  Core(directory, build, phases).run()
+  Core(directory, build, phases, later).run()

@@ -13,13 +13,15 @@ Rules:
   * The event loop never blocks on the engine: tokens arrive through the handles' `async for`.
   * A client that disconnects cancels its requests, which frees their KV blocks.
   * `serve` binds its socket before anything compiles (a busy port fails at once,
-    `ListenError`). The app's lifespan starts the engine's warm-up (`Warmup`: log-probabilities'
-    executables included, so nothing compiles on the request path) in a thread while the server
-    already answers: until it is done, /health is a 503 saying how far it got and the API a 503
-    (code "warming_up"); its progress goes to the log. A failed warm-up keeps /health at 500 with
-    the reason and stops `serve` (`WarmupFailed`). At shutdown the lifespan stops a warm-up
-    still running (the compiles in flight finish) and closes the engine; uvicorn's graceful
-    shutdown lets in-flight requests finish for `graceful_timeout` seconds, then cancels them.
+    `ListenError`). The app's lifespan starts the engine's warm-up (`Warmup`) in a thread while
+    the server already answers: until the serving executables are ready, /health is a 503 saying
+    how far it got and the API a 503 (code "warming_up"); its progress goes to the log. Then the
+    log-probabilities' executables (`LATER_PHASES`) are built while it serves, so nothing
+    compiles on the request path: a request that needs one first waits for its build. A failed
+    warm-up keeps /health at 500 with the reason and stops `serve` (`WarmupFailed`). At shutdown
+    the lifespan stops a warm-up still running (the compiles in flight finish) and closes the
+    engine; uvicorn's graceful shutdown lets in-flight requests finish for `graceful_timeout`
+    seconds, then cancels them.
   * `temperature` 0 is greedy; `top_k` (0 or -1 = off), `ignore_eos` and `return_token_ids`
     (token ids in each choice and chunk) are extensions. `n`, `best_of` are 1; `suffix`,
     penalties, `logit_bias` and tools are not supported (400).
@@ -37,10 +39,11 @@ Rules:
     in a chunk of its own.
 """
 
-from cg_jax.serving.app import (ListenError, WarmupFailed, create_app, listen, load_chat_template,
-                                serve)
+from cg_jax.serving.app import (EngineDied, ListenError, WarmupFailed, create_app, listen,
+                                load_chat_template, serve)
 from cg_jax.serving.protocol import ApiError, engine_error
-from cg_jax.serving.service import WARMUP_PHASES, Service, Warmup
+from cg_jax.serving.service import LATER_PHASES, WARMUP_PHASES, Service, Warmup
 
-__all__ = ["WARMUP_PHASES", "ApiError", "EngineDied", "ListenError", "Service", "Warmup", "WarmupFailed",
-           "create_app", "engine_error", "listen", "load_chat_template", "serve"]
+__all__ = ["LATER_PHASES", "WARMUP_PHASES", "ApiError", "EngineDied", "ListenError", "Service",
+           "Warmup", "WarmupFailed", "create_app", "engine_error", "listen", "load_chat_template",
+           "serve"]

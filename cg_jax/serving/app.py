@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import fastapi
@@ -26,7 +27,7 @@ from cg_jax.hub import resolve_model
 from cg_jax.serving.metrics import CountRequests, is_number
 from cg_jax.serving.protocol import ApiError, engine_error, validation_error
 from cg_jax.serving.routes import GenerationRoutes
-from cg_jax.serving.service import Service, Warmup
+from cg_jax.serving.service import LATER_PHASES, Service, Warmup
 from models.config import PRESETS
 
 # uvicorn's log (its format and level): the server's own lines go there too.
@@ -45,13 +46,15 @@ ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", 
 
 def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate | None = None,
                warmup: bool = True, close_engine: bool = True,
-               request_timeout: float | None = None) -> fastapi.FastAPI:
+               request_timeout: float | None = None,
+               later_phases: Sequence[str] = LATER_PHASES) -> fastapi.FastAPI:
   """The FastAPI app serving `engine` as `model_name`.
 
   Args:
     chat_template: the template of /v1/chat/completions (`load_chat_template`), or None.
     warmup: compile the serving executables at start-up (`Warmup`: in a thread, while the
-      server answers 503 "warming up"); False: the engine is taken as warmed up.
+      server answers 503 "warming up"), then those of `later_phases` while it serves; False:
+      the engine is taken as warmed up.
     close_engine: close the engine when the app shuts down.
     request_timeout: seconds each request may take (None: no limit); past it, a 504.
   """
@@ -60,7 +63,7 @@ def create_app(engine: Engine, model_name: str, *, chat_template: ChatTemplate |
                      f"{request_timeout!r}")
   service = Service(engine, model_name, chat_template, request_timeout)
   if warmup:
-    service.warmup = Warmup(engine)
+    service.warmup = Warmup(engine, later_phases)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):

@@ -35,7 +35,7 @@ from cg_jax.engine import Engine
 from cg_jax.hub import resolve_model
 from cg_jax.serving.app import EngineDied, WarmupFailed, create_app, load_chat_template, serve
 from cg_jax.serving.client import CoreClient
-from cg_jax.serving.service import WARMUP_PHASES
+from cg_jax.serving.service import LATER_PHASES, WARMUP_PHASES
 from models.config import PRESETS
 
 log = logging.getLogger("uvicorn.error")
@@ -65,7 +65,7 @@ def _front_end(directory: str, index: int, core_pid: int, model: str, served: st
   jax.config.update("jax_platforms", "cpu")  # (the core owns the accelerator)
   client = CoreClient(directory, index, core_pid, _tokenizer(model))
   app = create_app(client, served, chat_template=load_chat_template(model),
-                   request_timeout=request_timeout)
+                   request_timeout=request_timeout, later_phases=())  # (the core builds them)
   try:
     serve(app, sock=sock, graceful_timeout=graceful_timeout, log_level=log_level)
   except (WarmupFailed, EngineDied) as error:
@@ -117,7 +117,8 @@ def serve_model(model: str, *, sock: socket.socket, engine_options: dict[str, An
   logging.basicConfig(format="%(levelname)s:     %(message)s", level=log_level.upper())
   directory = tempfile.mkdtemp(prefix="cg_jax-")
   build = functools.partial(Engine.from_pretrained, model, **engine_options)
-  core = prestart.take().run(process.run, directory, build, WARMUP_PHASES, log_level)
+  core = prestart.take().run(process.run, directory, build, WARMUP_PHASES, LATER_PHASES,
+                             log_level)
   log.info("engine core process started (pid %d); %d front end%s", core.pid, api_servers,
            "" if api_servers == 1 else "s")
   args = (directory, core.pid, model, served_model_name or model, request_timeout, sock,

@@ -31,8 +31,11 @@ from cg_jax.serving.protocol import (OPENAI_NAMES, ApiError, ChatCompletionReque
 MAX_TEMPERATURE = 2.0
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's; chat's is the rest of the context
 NO_TOKENIZER = "send the prompt to /v1/completions as token ids"  # what to do without a tokenizer
-# The warm-up compiles these phases' executables: serving and log-probabilities (`echo` included).
-WARMUP_PHASES = (*SERVING_PHASES, "logprobs")
+# The warm-up builds the serving executables before the server says it is ready (/health 200),
+# then the log-probabilities' (`echo` included) behind it while requests are served: a request
+# that needs one before it is built waits for that build (`ExecutableTable.get`).
+WARMUP_PHASES = SERVING_PHASES
+LATER_PHASES = ("logprobs",)
 PROGRESS_EVERY = 5.0  # seconds between the warm-up's progress lines in the log
 # uvicorn's log (its format and level): the server's own lines go there too.
 log = logging.getLogger("uvicorn.error")
@@ -577,16 +580,18 @@ class _Stop(Exception):
 
 class Warmup:
   """The engine's warm-up (`engine.warmup` of `WARMUP_PHASES`), run in a thread of its own
-  ("cg_jax-warmup") while the server already answers.
+  ("cg_jax-warmup") while the server already answers; once ready, the same thread builds the
+  `later` phases' executables (an engine core builds its own: none here).
 
   `state` is "warming up", then "ready", "failed" (`error` says why; `on_failure`, if set, is
   called in the warm-up thread) or "stopped" (`stop` came first). `done` of `total` executables
   are ready (loaded or compiled). The start, the end and a failure are logged; `report` logs
-  the progress every PROGRESS_EVERY seconds.
+  the progress every PROGRESS_EVERY seconds. A failure of the later phases is logged (a request
+  that needs one of their executables builds it).
   """
 
-  def __init__(self, engine: Engine):
-    self.engine = engine
+  def __init__(self, engine: Engine, later: Sequence[str] = LATER_PHASES):
+    self.engine, self.later = engine, tuple(later)
     self.total = 0  # known once the warm-up thread asked (an engine core may still be loading)
     self.done = 0
     self.state = "warming up"
@@ -653,6 +658,8 @@ class Warmup:
     else:
       self._end("ready")
       log.info("warmed up: %d executables in %.1f s; serving", self.total, self.elapsed())
+      if self.later:
+        self.engine.warmup_behind(self.later, stopping=self._stop.is_set)
 
   def _failed(self, error: BaseException) -> None:
     self.error = f"{type(error).__name__}: {error}"
