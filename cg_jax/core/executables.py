@@ -332,13 +332,20 @@ class ExecutableTable:
         bar.close()
     return {"/".join(map(str, k)): seconds[k] for k in keys}
 
+  @property
+  def prime_runs(self) -> int:
+    """How often `prime` runs each step: on a GPU with command buffers XLA runs an executable's
+    first call kernel by kernel and records its CUDA graphs on the second: 2; else one call
+    does a first call's work: 1 (on the CPU a second would only repeat a whole forward)."""
+    gpu = jax.devices()[0].platform == "gpu"
+    return 2 if gpu and self.config.graphs != "off" else 1
+
   def prime(self, keys: Sequence[tuple], weights: list, cache: KVCache,
             staged) -> tuple[KVCache, Any]:
-    """Run the "load", "step" and "draw" executables among `keys` twice each on inputs that write
-    nothing (every row empty, block tables naming the scratch block, greedy rows): XLA runs an
-    executable's first call kernel by kernel and records its command buffer (CUDA graph) on
-    the second, so the first requests pay for neither. `staged`: the staged buffer [I] to run
-    on, the one the requests' steps will read, so that the graphs record its address.
+    """Run the "load", "step" and "draw" executables among `keys` `prime_runs` times each on
+    inputs that write nothing (every row empty, block tables naming the scratch block, greedy
+    rows), so that the first requests pay for no first call. `staged`: the staged buffer [I] to
+    run on, the one the requests' steps will read, so that the graphs record its address.
     Returns (the cache, the staged buffer): both donated to each step."""
     c = self.config
     i32 = lambda shape, value=0: np.full(shape, value, np.int32)  # noqa: E731
@@ -351,7 +358,7 @@ class ExecutableTable:
       empty = c.step_layout.pack(i32((tokens,)), i32((tokens,), -1),
                                  i32((rows, c.table_width), c.scratch_block), i32((rows + 1,)),
                                  i32((rows,)), i32((rows,)))
-      for _ in range(2):
+      for _ in range(self.prime_runs):
         staged = self.get(("load",))(staged, empty)
         carry, _, logits, cache, staged = self.get(key)(weights, cache, i32((c.step_rows,)),
                                                         staged)
