@@ -9,7 +9,8 @@
 # options]: `serve` (the first of a machine start compiles, later ones load stored executables)
 # and `bench serve` for each of LIST (N at once from 8 client processes, 16 past 64; "1": 16
 # arriving 2 a second from one). inproc_run NAME TREE DIR [LIST]: `bench throughput` for each
-# of LIST (as serve_run's; default 16,64,1). Each row goes to OUT/bench.jsonl with `probe`: its
+# of LIST (as serve_run's; default 16,64,1). startup_run NAME TREE DIR [WHICH [STARTS]]: `bench
+# startup` (default: serve, cold then warm). Each row goes to OUT/bench.jsonl with `probe`: its
 # label and the front end's and the core's CPU seconds (from /proc), and a line is printed.
 # Results: results/serving_front_end_h100. The device's serving packages come from .whl
 # (gpu_session.sh's http_install).
@@ -79,6 +80,24 @@ inproc_run() {  # name tree model-dir [list]
       *) bench "$1 inproc $n" $2 throughput --model $3 --max-seq-len 1024 --num-requests $n ;;
     esac
   done
+}
+startup_run() {  # name tree model-dir [which (engine,serve)] [starts (cold,warm)]
+  # `bench startup`: each start a fresh process, cold on an empty cache, warm on what it left
+  local name=$1 tree=$2 dir=$3 which=${4:-serve} starts=${5:-cold,warm}
+  PYTHONPATH=$PWD/$tree:$HTTP timeout 590 python3 -m cg_jax bench startup --model $dir \
+    --max-seq-len 1024 --which $which --starts $starts --system "cg_jax@$name" \
+    --output $out/tmp.jsonl > $out/b.log 2>&1 || tail -3 $out/b.log
+  python3 - "$name" $out/tmp.jsonl $rows <<'P'
+import json, sys
+name, tmp, rows = sys.argv[1:]
+for line in open(tmp):
+  r = json.loads(line); r["probe"] = {"label": name}
+  open(rows, "a").write(json.dumps(r) + "\n")
+  f, w = r["figures"], r["workload"]
+  print(f"{name:20s} {w['which']:6s} {w['cache']:4s} " + " ".join(
+      f"{k} {v:.2f}" for k, v in sorted(f.items()) if isinstance(v, float)))
+P
+  rm -f $out/tmp.jsonl
 }
 ck() {  # model -> its random-weight checkpoint (written once)
   [ -f $CKPT/$1/config.json ] || PYTHONPATH=$PWD python3 benchmarks/make_checkpoints.py \

@@ -261,9 +261,9 @@ class Engine:
              workers: int | None = None,
              on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Compile every (phase, bucket) executable ahead of time, in parallel on `workers` threads
-    (None: one per CPU core), allocate the KV cache and run each step on empty rows (twice on a
-    GPU: the second records its CUDA graphs), on the buffers the requests' steps will read
-    (`Scheduler.prime`: the first requests do not pay for first calls).
+    (None: one per CPU core), allocate the KV cache and run the steps on empty rows
+    (`ExecutableTable.priming`: on a GPU each, twice) on the buffers the requests' steps will
+    read (`Scheduler.prime`: the first requests do not pay for first calls).
 
     By default the executables that `generate`, `stream` and `submit` use: a step per token
     bucket (`EngineConfig.token_buckets`: decode rows and prompt chunks together), the draw of

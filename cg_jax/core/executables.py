@@ -332,33 +332,35 @@ class ExecutableTable:
         bar.close()
     return {"/".join(map(str, k)): seconds[k] for k in keys}
 
-  @property
-  def prime_runs(self) -> int:
-    """How often `prime` runs each step: on a GPU with command buffers XLA runs an executable's
-    first call kernel by kernel and records its CUDA graphs on the second: 2; else one call
-    does a first call's work: 1 (on the CPU a second would only repeat a whole forward)."""
-    gpu = jax.devices()[0].platform == "gpu"
-    return 2 if gpu and self.config.graphs != "off" else 1
+  def priming(self, keys: Sequence[tuple]) -> tuple[list[tuple], int]:
+    """(the step keys among `keys` that `prime` runs, how often each). On a GPU: every step
+    (a first call loads its kernels), twice with command buffers (XLA runs a first call kernel
+    by kernel and records the CUDA graphs on the second). Elsewhere the smallest step, once:
+    there a first call costs mostly the first touch of the weights, which any step does, and
+    each run costs a forward over its tokens (benchmarks/results/startup_cpu.md)."""
+    steps = sorted((key for key in keys if key[0] == "step"), key=lambda key: key[1])
+    if jax.devices()[0].platform != "gpu":
+      return steps[:1], 1
+    return steps, 2 if self.config.graphs != "off" else 1
 
   def prime(self, keys: Sequence[tuple], weights: list, cache: KVCache,
             staged) -> tuple[KVCache, Any]:
-    """Run the "load", "step" and "draw" executables among `keys` `prime_runs` times each on
-    inputs that write nothing (every row empty, block tables naming the scratch block, greedy
-    rows), so that the first requests pay for no first call. `staged`: the staged buffer [I] to
-    run on, the one the requests' steps will read, so that the graphs record its address.
+    """Run the "load", "step" and "draw" executables of `priming(keys)` on inputs that write
+    nothing (every row empty, block tables naming the scratch block, greedy rows), so that the
+    first requests do not pay for first calls. `staged`: the staged buffer [I] to run on, the
+    one the requests' steps will read, so that the graphs record its address.
     Returns (the cache, the staged buffer): both donated to each step."""
     c = self.config
     i32 = lambda shape, value=0: np.full(shape, value, np.int32)  # noqa: E731
     primed = set()
-    for key in keys:
-      if key[0] != "step":
-        continue
+    steps, runs = self.priming(keys)
+    for key in steps:
       tokens, rows = key[1], c.rows(key[1])
       draw = ("draw", rows)
       empty = c.step_layout.pack(i32((tokens,)), i32((tokens,), -1),
                                  i32((rows, c.table_width), c.scratch_block), i32((rows + 1,)),
                                  i32((rows,)), i32((rows,)))
-      for _ in range(self.prime_runs):
+      for _ in range(runs):
         staged = self.get(("load",))(staged, empty)
         carry, _, logits, cache, staged = self.get(key)(weights, cache, i32((c.step_rows,)),
                                                         staged)
