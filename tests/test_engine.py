@@ -3,7 +3,10 @@
 import collections
 import dataclasses
 import math
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,6 +26,7 @@ from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
 from models.decoder import KVCache
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_OPTIONS = dict(max_seq_len=64, batch_buckets=(1, 2, 4), prompt_buckets=(8, 16, 32),
                       max_num_batched_tokens=32)
 
@@ -707,6 +711,40 @@ def test_stored_executables_load_and_a_bad_file_is_compiled_again(engine, tmp_pa
   other = table(dataclasses.replace(engine.config, readback_lag=1))
   other.get(key)
   assert other.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 2
+
+
+_NEW_BUILD = """
+import sys
+from cg_jax import Engine
+from cg_jax.core import compile_stats, executables
+if sys.argv[1] == "new":  # another build of cg_jax (an upgrade): another digest
+  digest = executables._build_digest
+  executables._build_digest = lambda *args: digest(*args)[::-1]
+engine = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1, 2),
+                                prompt_buckets=(8, 16), max_num_batched_tokens=16)
+hits = compile_stats.cache_hit_count()
+engine.executables.get(("token_logprobs", 1))
+print(engine.executables.loaded, compile_stats.cache_hit_count() - hits, flush=True)
+"""
+
+
+def test_a_new_build_compiles_and_stores_its_executables_once(tmp_path):
+  """With the persistent compilation cache on: a second start of one build loads its stored
+  executable; a new build's first start neither loads it nor takes the old build's from XLA's
+  cache (it would not be stored, and every later start would fetch it again): it compiles and
+  stores it, and its second start loads it."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", CG_JAX_COMPILATION_CACHE=str(tmp_path))
+
+  def start(build):
+    out = subprocess.run([sys.executable, "-c", _NEW_BUILD, build], capture_output=True,
+                         text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return tuple(map(int, out.stdout.split()))
+
+  # (executables loaded from the store, persistent-cache hits)
+  assert [start("old"), start("old"), start("new"), start("new")] == [
+      (0, 0), (1, 0), (0, 0), (1, 0)]
+  assert len(list((tmp_path / "executables").iterdir())) == 2
 
 
 def test_prefill_gemm_default_follows_the_model_width():

@@ -203,6 +203,8 @@ class ExecutableTable:
             else placement[outputs])
     # keep_unused: a donated input the function only overwrites (draw's carry) keeps its buffer.
     ins = tuple(placement[n] for n in inputs)
+    if self._store is not None:
+      fn = _named(fn, f"{key[0]}_{self._build_digest[:16]}")
     return jax.jit(fn, donate_argnums=donate, keep_unused=True, in_shardings=ins,
                    out_shardings=outs).lower(*args)
 
@@ -391,6 +393,19 @@ def _bar_interval() -> float:
     return 0.1 if sys.stderr.isatty() else 10.0
   except (AttributeError, ValueError):  # no stderr, or a closed one
     return 10.0
+
+
+def _named(fn: Callable, name: str) -> Callable:
+  """`fn` under `name`, the name of its XLA module. A stored table names its executables by
+  its build digest: the persistent compilation cache keys them by that name too, so a new build
+  (an upgrade) compiles them afresh and stores them, instead of taking the old build's from that
+  cache, which are not stored (see `_compile`) and would be traced, lowered and fetched again at
+  every start."""
+  def named(*args):
+    return fn(*args)
+
+  named.__name__ = named.__qualname__ = name
+  return named
 
 
 def _build_digest(model: DecoderConfig, config: EngineConfig, dtype) -> str:
