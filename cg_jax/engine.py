@@ -290,9 +290,8 @@ class Engine:
     # (compiles need no lock: requests keep running while a warm-up adds executables)
     times = self.executables.compile(keys, progress=progress, workers=workers,
                                      on_progress=on_progress)
-    if any(key[0] == "step" for key in keys):
-      with self._lock:
-        self._scheduler.prime(keys)
+    with self._lock:  # (at most a step's wait: the engine thread holds it for one iteration)
+      self._scheduler.prime(keys)
     self._compiles_at_warmup = compile_stats.unplanned_count()
     self._warmup_wall_s = time.perf_counter() - start
     return times
