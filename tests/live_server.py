@@ -104,6 +104,15 @@ class ServeProcess:
   def log(self) -> str:
     return "".join(self.lines)
 
+  def wait_log(self, pattern: str, timeout: float = 120) -> None:
+    """Wait until a line of the log matches `pattern`."""
+    import re
+    deadline = time.monotonic() + timeout
+    while not any(re.search(pattern, line) for line in list(self.lines)):
+      assert time.monotonic() < deadline and self.process.poll() is None, (
+          f"no log line matched {pattern!r}:\n{self.log[-3000:]}")
+      time.sleep(0.05)
+
   def pids(self, pattern: str) -> list[int]:
     """The pids the log names in lines matching `pattern` with a `(\\d+)` group."""
     import re

@@ -169,6 +169,7 @@ def test_a_model_without_a_tokenizer_streams_per_step():
   with ServeProcess("--model", "tiny-llama", "--max-seq-len", "512", "--batch-buckets", "1",
                     "--prompt-buckets", "16") as serving:
     core = serving.pids(r"engine core process started \(pid (\d+)\)")[0]
+    serving.wait_log(r"more executables \(logprobs\) ready")  # (no compile beside the steps)
     done = threading.Event()
 
     def pace():
