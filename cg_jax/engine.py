@@ -285,21 +285,29 @@ class Engine:
       {executable name: compile seconds} (small when served from the persistent cache);
       `stats()["warmup_wall_s"]` is the whole warm-up's wall time.
     """
-    keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
     start = time.perf_counter()
+    keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
+    times = self._build_and_prime(keys, progress, workers, on_progress)
+    self._compiles_at_warmup = compile_stats.unplanned_count()
+    self._warmup_wall_s = time.perf_counter() - start
+    return times
+
+  def _build_and_prime(self, keys: list[tuple], progress: bool, workers: int | None,
+                       on_progress: Callable[[int, int], None] | None) -> dict[str, float]:
+    """Build `keys` and prime the steps among them (`warmup`'s work, without its stats)."""
     # (compiles need no lock: requests keep running while a warm-up adds executables)
     times = self.executables.compile(keys, progress=progress, workers=workers,
                                      on_progress=on_progress)
     with self._lock:  # (at most a step's wait: the engine thread holds it for one iteration)
       self._scheduler.prime(keys)
-    self._compiles_at_warmup = compile_stats.unplanned_count()
-    self._warmup_wall_s = time.perf_counter() - start
     return times
 
   def warmup_behind(self, phases: Sequence[str], stopping: Callable[[], bool]) -> None:
     """`warmup(phases=phases)` while the engine serves (a server builds its log-probability
     executables so, once its serving ones are ready), logging its end or its failure (the
-    requests that need those executables then build them); it stops early once `stopping()`."""
+    requests that need those executables then build them); it stops early once `stopping()`.
+    The warm-up's stats stay those of the last `warmup` (a compile on the request path
+    meanwhile still counts in `compiles_since_warmup`)."""
     start, before = time.monotonic(), len(self.executables.compiled)
 
     def check(done: int, total: int) -> None:
@@ -307,7 +315,7 @@ class Engine:
         raise _Stopped()
 
     try:
-      self.warmup(phases=phases, progress=False, on_progress=check)
+      self._build_and_prime(self.executable_keys(phases=phases), False, None, check)
     except _Stopped:
       return
     except Exception as error:  # noqa: BLE001 - logged; see above

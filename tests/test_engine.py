@@ -170,6 +170,11 @@ def test_a_key_being_warmed_up_is_waited_for_not_built_twice(monkeypatch):
   assert len(scores) == 3 and engine.stats()["compiles_since_warmup"] == 0
   table.get(("first", 1, True))  # (a key no warm-up built: compiled here, on the caller's path)
   assert engine.stats()["compiles_since_warmup"] == 1
+  wall = engine.stats()["warmup_wall_s"]
+  engine.warmup_behind(("prefill",), stopping=lambda: False)  # (keeps the warm-up's stats)
+  assert ("prefill", 1, 8) in table.compiled
+  assert engine.stats()["compiles_since_warmup"] == 1
+  assert engine.stats()["warmup_wall_s"] == wall
   engine.close()
 
 
