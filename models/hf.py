@@ -9,7 +9,6 @@ implemented are rejected. torch is never imported here; torch tensors are conver
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -336,8 +335,6 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def _safetensors_files(path: str) -> dict[str, str]:
   """Tensor name -> file path, from model.safetensors or a sharded index."""
-  from safetensors import safe_open
-
   index_path = os.path.join(path, "model.safetensors.index.json")
   single_path = os.path.join(path, "model.safetensors")
   if os.path.isfile(index_path):
@@ -350,33 +347,86 @@ def _safetensors_files(path: str) -> dict[str, str]:
         raise CheckpointError(f"missing shard file {shard!r} listed in {index_path}")
     return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
   if os.path.isfile(single_path):
-    with safe_open(single_path, framework="numpy") as f:
-      return {name: single_path for name in f.keys()}
+    return {name: single_path for name in mapped_tensors(single_path)}
   found = sorted(os.listdir(path))
   raise CheckpointError(
       f"no model.safetensors or model.safetensors.index.json in {path!r} (found: {found}); "
       "only safetensors checkpoints are supported")
 
 
+# safetensors' dtype names -> NumPy dtypes (the floating and integer ones a checkpoint may hold).
+_STORED_DTYPES: dict[str, Any] = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_}
+
+
+def mapped_tensors(file: str) -> dict[str, np.ndarray]:
+  """{name: read-only NumPy view} of one safetensors file's tensors, memory-mapped: nothing is
+  read until a view's elements are (the format: an 8-byte little-endian header length, a JSON
+  header naming each tensor's dtype, shape and byte range, then the data). A caller that keeps
+  an array must copy it out of the mapping.
+
+  Raises:
+    CheckpointError: the file is not a well-formed safetensors file (the message names it).
+  """
+  size = os.path.getsize(file)
+  if size < 8:
+    raise CheckpointError(f"{file} is not a safetensors file: {size} bytes")
+  mapping = np.memmap(file, dtype=np.uint8, mode="r")
+  length = int(mapping[:8].view("<u8")[0])
+  if length > mapping.size - 8:
+    raise CheckpointError(f"{file} is not a safetensors file: its header length {length} "
+                          f"exceeds the file ({mapping.size} bytes)")
+  try:
+    header = json.loads(bytes(mapping[8:8 + length]))
+  except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    raise CheckpointError(f"{file} has an unreadable safetensors header: {err}") from None
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{file} has a safetensors header that is not a JSON object")
+  data = mapping[8 + length:]
+  views = {}
+  for name, entry in header.items():
+    if name == "__metadata__":
+      continue
+    try:
+      dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+      raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry "
+                            f"{entry!r}") from None
+    if dtype not in _STORED_DTYPES:
+      raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype!r}; supported: "
+                            f"{', '.join(_STORED_DTYPES)}")
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(_STORED_DTYPES[dtype]).itemsize
+    if not 0 <= begin <= end <= data.size or end - begin != size:
+      raise CheckpointError(f"{file}: tensor {name!r} of dtype {dtype} and shape {shape} has "
+                            f"data_offsets [{begin}, {end}] (file data: {data.size} bytes)")
+    views[name] = data[begin:end].view(_STORED_DTYPES[dtype]).reshape(shape)
+  return views
+
+
 def load_checkpoint(path: str | os.PathLike, dtype="float32") -> tuple[DecoderConfig, dict[str, np.ndarray]]:
   """Load a local Hugging Face checkpoint directory.
 
   Returns:
-    (config, stacked weights as host NumPy arrays in `dtype`).
+    (config, stacked weights as host NumPy arrays in `dtype`, none of them a view of the files).
   """
-  from safetensors import safe_open
-
   path = os.fspath(path)
   config = config_from_hf(read_config(path))
   files = _safetensors_files(path)
-  # NumPy arrays straight from the files (bfloat16 through ml_dtypes), nothing staged through a
-  # JAX array or an accelerator (benchmarks/results/checkpoint_load_cpu.md).
-  with contextlib.ExitStack() as stack:
-    handles = {file: stack.enter_context(safe_open(file, framework="numpy"))
-               for file in sorted(set(files.values()))}
-    weights = convert_weights(
-        config, lambda name: handles[files[name]].get_tensor(name), list(files), dtype)
-  return config, weights
+  # The tensors are read where they are converted, straight from the files' mappings: no copy of
+  # them is made first, nor staged through a JAX array or an accelerator
+  # (benchmarks/results/checkpoint_load_cpu.md).
+  views = {}
+  for file in sorted(set(files.values())):
+    views.update(mapped_tensors(file))
+  missing = sorted(name for name in files if name not in views)
+  if missing:
+    raise CheckpointError(f"tensors listed in the index are not in its files: {missing[:5]}")
+  weights = convert_weights(config, views.__getitem__, list(files), dtype)
+  # (a tensor used as stored, e.g. an embedding in the target dtype, is still a view: copied)
+  return config, {kind: array if array.flags.owndata else np.array(array)
+                  for kind, array in weights.items()}
 
 
 # --------------------------------------------------------------------------------------------------

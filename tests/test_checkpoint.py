@@ -3,12 +3,13 @@
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from cg_jax import Engine
-from models.hf import CheckpointError, load_checkpoint, save_checkpoint
+from models.hf import CheckpointError, load_checkpoint, mapped_tensors, save_checkpoint
 from tests.helpers import (RELATIVE_TOLERANCE, assert_close_relative, hf_gpt2_config,
                            hf_llama_config, random_tensors, write_checkpoint)
 
@@ -98,6 +99,82 @@ def test_unexpected_tensor_is_an_error(tmp_path):
   _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)}))
   with pytest.raises(CheckpointError, match="unexpected tensor.*q_norm"):
     Engine.from_pretrained(path, **ENGINE)
+
+
+def test_mapped_tensors_equal_the_safetensors_reader(tmp_path):
+  rng = np.random.default_rng()
+  tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32),
+             "f16": rng.standard_normal((7,)).astype(np.float16),
+             "bf16": rng.standard_normal((2, 3, 4)).astype(ml_dtypes.bfloat16),
+             "i64": rng.integers(-2**40, 2**40, (4,)), "flags": rng.random((6,)) < 0.5,
+             "scalar": np.array(rng.standard_normal(), np.float64),
+             "empty": np.zeros((0, 3), np.float32)}
+  save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"format": "np"})
+  mapped = mapped_tensors(str(tmp_path / "t.safetensors"))
+  expected = load_file(str(tmp_path / "t.safetensors"))
+  assert sorted(mapped) == sorted(expected) == sorted(tensors)
+  for name, array in expected.items():
+    assert mapped[name].dtype == array.dtype and mapped[name].shape == array.shape, name
+    assert mapped[name].tobytes() == array.tobytes() == tensors[name].tobytes(), name
+    assert not mapped[name].flags.writeable
+
+
+def test_loaded_weights_do_not_alias_the_files(tmp_path):
+  # A bfloat16 file loaded as bfloat16 uses the embedding as stored: still a copy, so a
+  # checkpoint rewritten in place after loading leaves the weights as they were.
+  config = CONFIGS["llama"]
+  path = write_checkpoint(tmp_path, config, random_tensors(config), dtype="bfloat16")
+  _, weights = load_checkpoint(path, "bfloat16")
+  before = {kind: array.copy() for kind, array in weights.items()}
+  file = os.path.join(path, "model.safetensors")
+  with open(file, "r+b") as f:
+    length = int.from_bytes(f.read(8), "little")
+    f.seek(8 + length)
+    f.write(b"\0" * (os.path.getsize(file) - 8 - length))
+  for kind, array in weights.items():
+    assert array.tobytes() == before[kind].tobytes(), kind
+  assert not np.any(load_checkpoint(path, "bfloat16")[1]["embed"].astype(np.float32))
+
+
+def _rewrite_header(file, edit):
+  with open(file, "rb") as f:
+    length = int.from_bytes(f.read(8), "little")
+    header, data = json.loads(f.read(length)), f.read()
+  edit(header)
+  text = json.dumps(header).encode()
+  with open(file, "wb") as f:
+    f.write(len(text).to_bytes(8, "little") + text + data)
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("truncated", r"tensor '.*' of dtype F32 and shape .* has data_offsets"),
+    ("empty", "is not a safetensors file: 0 bytes"),
+    ("header length", "header length .* exceeds the file"),
+    ("dtype", "tensor 'model.norm.weight' has dtype 'F8_E4M3'; supported: F64"),
+    ("offsets", r"tensor 'model.norm.weight' .* has data_offsets \[0, 4\]"),
+    ("header", "unreadable safetensors header"),
+])
+def test_damaged_safetensors_file_is_named(tmp_path, damage, match):
+  config = CONFIGS["llama"]
+  path = write_checkpoint(tmp_path, config, random_tensors(config))
+  file = os.path.join(path, "model.safetensors")
+  if damage == "truncated":
+    os.truncate(file, os.path.getsize(file) - 4)
+  elif damage == "empty":
+    os.truncate(file, 0)
+  elif damage == "header length":
+    with open(file, "r+b") as f:
+      f.write((1 << 40).to_bytes(8, "little"))
+  elif damage == "dtype":
+    _rewrite_header(file, lambda h: h["model.norm.weight"].update(dtype="F8_E4M3"))
+  elif damage == "offsets":
+    _rewrite_header(file, lambda h: h["model.norm.weight"].update(data_offsets=[0, 4]))
+  else:
+    with open(file, "r+b") as f:
+      f.seek(8)
+      f.write(b"\xff")
+  with pytest.raises(CheckpointError, match=match):
+    load_checkpoint(path)
 
 
 def test_missing_shard_is_named(tmp_path):
