@@ -405,25 +405,32 @@ def mapped_tensors(file: str) -> dict[str, np.ndarray]:
   return views
 
 
-def load_checkpoint(path: str | os.PathLike, dtype="float32") -> tuple[DecoderConfig, dict[str, np.ndarray]]:
-  """Load a local Hugging Face checkpoint directory.
-
-  Returns:
-    (config, stacked weights as host NumPy arrays in `dtype`, none of them a view of the files).
-  """
+def read_tensors(path: str | os.PathLike) -> tuple[DecoderConfig, dict[str, np.ndarray]]:
+  """A checkpoint directory's config and every tensor as stored ({name: read-only view of the
+  memory-mapped files}, HF layouts and dtypes): what `convert_weights` takes."""
   path = os.fspath(path)
   config = config_from_hf(read_config(path))
   files = _safetensors_files(path)
-  # The tensors are read where they are converted, straight from the files' mappings: no copy of
-  # them is made first, nor staged through a JAX array or an accelerator
-  # (benchmarks/results/checkpoint_load_cpu.md).
   views = {}
   for file in sorted(set(files.values())):
     views.update(mapped_tensors(file))
   missing = sorted(name for name in files if name not in views)
   if missing:
     raise CheckpointError(f"tensors listed in the index are not in its files: {missing[:5]}")
-  weights = convert_weights(config, views.__getitem__, list(files), dtype)
+  return config, {name: views[name] for name in files}
+
+
+def load_checkpoint(path: str | os.PathLike, dtype="float32") -> tuple[DecoderConfig, dict[str, np.ndarray]]:
+  """Load a local Hugging Face checkpoint directory.
+
+  Returns:
+    (config, stacked weights as host NumPy arrays in `dtype`, none of them a view of the files).
+  """
+  # The tensors are read where they are converted, straight from the files' mappings: no copy of
+  # them is made first, nor staged through a JAX array or an accelerator
+  # (benchmarks/results/checkpoint_load_cpu.md).
+  config, tensors = read_tensors(path)
+  weights = convert_weights(config, tensors.__getitem__, list(tensors), dtype)
   # (a tensor used as stored, e.g. an embedding in the target dtype, is still a view: copied)
   return config, {kind: array if array.flags.owndata else np.array(array)
                   for kind, array in weights.items()}
