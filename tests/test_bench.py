@@ -167,6 +167,7 @@ def test_startup_serve(capsys, tmp_path):
   _table_line(out, row)
   f = row.figures
   assert 0 < f["listen_s"] <= f["ready_s"] <= f["first_answer_s"], f
+  assert 0 < f["loaded_s"] <= f["ready_s"], f  # (the core loads while the launcher starts)
 
 
 @pytest.mark.parametrize("argv, flag, allowed", [

@@ -11,7 +11,8 @@ again for the warm one. Times are seconds from just before the process is spawne
     them, and the loading's own phases as durations (`Engine.stats()`: `checkpoint_read_s`
     unless the model is a preset, `weights_place_s`);
   serve (`python -m cg_jax serve --port 0`): `listen_s` when it logs "Uvicorn running on
-    http://HOST:PORT", `ready_s` when GET /health first answers 200 (polled every 20 ms),
+    http://HOST:PORT", `loaded_s` when its engine core logs that the model is loaded (its
+    warm-up starts), `ready_s` when GET /health first answers 200 (polled every 20 ms),
     `first_answer_s` when the first POST /v1/completions (4 tokens) returns; then SIGTERM, and
     the process must exit.
 `--max-seq-len`, `--batch-buckets`, `--prompt-buckets` and `--max-num-batched-tokens` pass
@@ -45,6 +46,7 @@ STARTS = ("cold", "warm")
 PROMPT = [1, 2, 3, 4]  # the first request's token ids
 ANSWER_TOKENS = 4
 _LISTENING = re.compile(r"Uvicorn running on http://(\S+):(\d+)")
+_LOADED = "engine core: model loaded"  # (`cg_jax.core.process`: the weights are on the device)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,13 +141,15 @@ def _serve(args, cache: str) -> dict[str, float]:
   deadline = time.monotonic() + args.timeout
   process = subprocess.Popen(command, env=_env(cache), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-  lines, found = [], queue.Queue()
+  lines, found, loaded = [], queue.Queue(), []
 
   def read():
     for line in process.stdout:
       lines.append(line)
       if match := _LISTENING.search(line):
         found.put((time.time(), match[1], int(match[2])))
+      if not loaded and _LOADED in line:
+        loaded.append(time.time())
     found.put(None)  # the output ended
 
   reader = threading.Thread(target=read, daemon=True)
@@ -182,7 +186,8 @@ def _serve(args, cache: str) -> dict[str, float]:
       process.wait()
     reader.join(timeout=30)
   return {"listen_s": listened - begin, "ready_s": ready - begin,
-          "first_answer_s": answered - begin}
+          "first_answer_s": answered - begin,
+          **({"loaded_s": loaded[0] - begin} if loaded else {})}
 
 
 def _child(argv: list[str]) -> None:
