@@ -34,7 +34,7 @@ from cg_jax.core.sampling import TOP_LOGPROBS, unpack_scores
 from cg_jax.core.scheduler import Scheduler
 from cg_jax.core.sharding import TensorParallel
 from cg_jax.core.steps import StepFunctions
-from cg_jax.core.weights import canonical, place, random_weights
+from cg_jax.core.weights import abstract_split, canonical, place, random_weights
 from cg_jax.generation import GenerationResult, RowText, StreamChunk, final_text
 from cg_jax.handles import Group, Handle, row_per_token
 from cg_jax.hub import resolve_model
@@ -74,8 +74,10 @@ class Engine:
 
   Args:
     config: the model's `DecoderConfig`.
-    weights: {weight kind: array} as produced by `models.hf`; None initialises random weights
-      (normal(0.02), seeded by `seed`) for smoke tests and benchmarks.
+    weights: {weight kind: array} as produced by `models.hf`, or a function that returns them
+      (called once the executables of `compile_while_loading` are building: `from_pretrained`
+      reads its checkpoint so); None initialises random weights (normal(0.02), seeded by
+      `seed`) for smoke tests and benchmarks.
     dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on GPU, float32 elsewhere.
     tokenizer: a `tokenizers.Tokenizer` for text prompts and stop strings, or None.
     engine_config: a whole `EngineConfig` tree; or else
@@ -95,12 +97,16 @@ class Engine:
     memory_limit_bytes: the device memory to size the KV blocks from (with
       gpu_memory_utilization) and to check against (default: what the device reports).
     seed: weight-initialisation seed when `weights` is None.
+    compile_while_loading: phases (as `warmup` takes them) whose executables start building on
+      background threads before the weights are read and placed (compiling needs their shapes
+      only); a later `warmup` of those phases waits for them. `serve` builds its engine so.
   """
 
   def __init__(self, config: DecoderConfig, weights: Mapping[str, Any] | None = None, *,
                dtype: str | None = None, tokenizer=None,
                engine_config: EngineConfig | None = None, compilation_cache: str | bool = True,
-               memory_limit_bytes: int | None = None, seed: int = 0, **options):
+               memory_limit_bytes: int | None = None, seed: int = 0,
+               compile_while_loading: Sequence[str] = (), **options):
     given = engine_config
     if engine_config is None:
       validation.reject_unknown("Engine()", {k: v for k, v in options.items()
@@ -127,20 +133,31 @@ class Engine:
     self._check_memory(memory_limit_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
 
-    start = time.perf_counter()
-    if weights is None:
-      weights = random_weights(config, self.dtype, seed)
-    self._split = place(config, weights, self.dtype, self._parallel)
-    # Seconds of the start's phases before warm-up (`stats()`): reading the checkpoint (set by
-    # `from_pretrained`) and placing the weights on the device (random ones made first).
-    self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": time.perf_counter() - start}
     mesh = None if self._parallel is None else self._parallel.mesh
-    steps = StepFunctions(self._split, e.forward, attention.for_forward(e.forward, mesh),
+    # The steps are traced over the weights' shapes: the executables can build before the
+    # weights exist.
+    steps = StepFunctions(abstract_split(config, self.dtype, self._parallel), e.forward,
+                          attention.for_forward(e.forward, mesh),
                           attention.paged_for_forward(e.forward, mesh), e.tensor_parallel,
                           layout=e.step_layout)
     # Compiled executables are also stored serialized beside the compilation cache.
     store = None if compilation_cache is False else self.compilation_cache_dir
     self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)
+    if compile_while_loading:
+      self.executables.compile_behind(self.executable_keys(phases=compile_while_loading))
+    # Seconds of the start's phases before warm-up (`stats()`): reading the checkpoint (when
+    # `weights` is a function) and placing the weights on the device (random ones made first).
+    self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": None}
+    start = time.perf_counter()
+    if callable(weights):
+      weights = weights()
+      self._load_seconds["checkpoint_read_s"] = time.perf_counter() - start
+      start = time.perf_counter()
+    if weights is None:
+      weights = random_weights(config, self.dtype, seed)
+    self._split = place(config, weights, self.dtype, self._parallel)
+    self._load_seconds["weights_place_s"] = time.perf_counter() - start
+    self.executables.steps = dataclasses.replace(steps, split=self._split)  # (same structure)
     if self._parallel is None:
       inputs_at = cache_at = jax.devices()[0]
     else:
@@ -169,13 +186,9 @@ class Engine:
       return cls(PRESETS[name], None, dtype=dtype, **options)
     directory = resolve_model(name)
     dtype = default_dtype() if dtype is None else dtype
-    start = time.perf_counter()
-    config, weights = hf.load_checkpoint(directory, dtype)
+    config = hf.config_from_hf(hf.read_config(directory))
     options.setdefault("tokenizer", text.load_tokenizer(directory))
-    read = time.perf_counter() - start
-    engine = cls(config, weights, dtype=dtype, **options)
-    engine._load_seconds["checkpoint_read_s"] = read
-    return engine
+    return cls(config, lambda: hf.load_checkpoint(directory, dtype)[1], dtype=dtype, **options)
 
   @classmethod
   def from_state_dict(cls, hf_config: Mapping[str, Any] | DecoderConfig,

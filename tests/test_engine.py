@@ -178,6 +178,38 @@ def test_a_key_being_warmed_up_is_waited_for_not_built_twice(monkeypatch):
   engine.close()
 
 
+def test_executables_build_while_the_weights_load(engine, monkeypatch):
+  """compile_while_loading: the executables are building before the weights are asked for; the
+  warm-up then builds none again, and the tokens are the engine's without it."""
+  rng = np.random.default_rng()
+  prompts = [rng.integers(0, engine.model_config.vocab_size, n).tolist() for n in (5, 19)]
+  expected = engine.generate(prompts, 6, eos_token_id=[])
+  built = collections.Counter()
+  build = ExecutableTable._build
+
+  def counted(table, key):
+    built[key] += 1
+    return build(table, key)
+
+  monkeypatch.setattr(ExecutableTable, "_build", counted)
+  weights = engine.weights()
+
+  def load():
+    deadline = time.monotonic() + 60
+    while not built and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert built, "no executable was building while the weights loaded"
+    return weights
+
+  later = Engine(engine.model_config, load, compilation_cache=False,
+                 compile_while_loading=SERVING_PHASES, **ENGINE_OPTIONS)
+  later.warmup(phases=SERVING_PHASES, progress=False)
+  assert built == {key: 1 for key in later.executable_keys(phases=SERVING_PHASES)}
+  assert later.stats()["checkpoint_read_s"] > 0
+  assert later.generate(prompts, 6, eos_token_id=[]) == expected
+  later.close()
+
+
 def test_a_stopped_warmup_leaves_its_unstarted_keys_to_get(monkeypatch):
   engine = Engine.from_pretrained("tiny-llama", **ENGINE_OPTIONS)
   table = engine.executables

@@ -39,6 +39,7 @@ engine of the same build loads it without tracing, lowering or compiling (one de
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import os
@@ -333,6 +334,16 @@ class ExecutableTable:
         pool.shutdown(wait=True)
         bar.close()
     return {"/".join(map(str, k)): seconds[k] for k in keys}
+
+  def compile_behind(self, keys: Sequence[tuple]) -> threading.Thread:
+    """`compile(keys)` on a background thread, started now (a `compile` or `get` of those keys
+    waits for their builds). A failed build is raised to whoever waits for it."""
+    def run():
+      with contextlib.suppress(Exception):  # (raised again to the key's waiters)
+        self.compile(keys, progress=False)
+    thread = threading.Thread(target=run, name="cg_jax-compile-behind", daemon=True)
+    thread.start()
+    return thread
 
   def priming(self, keys: Sequence[tuple]) -> tuple[list[tuple], int]:
     """(the step keys among `keys` that `prime` runs, how often each). On a GPU: every step

@@ -43,12 +43,30 @@ def random_weights(config: DecoderConfig, dtype, seed: int) -> dict[str, jax.Arr
   return jax.jit(init)()
 
 
+def _abstract_state(config: DecoderConfig, dtype):
+  """(graphdef, state) of the model with shapes and dtypes for weights (nothing allocated)."""
+  return nnx.split(nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0))))
+
+
+def abstract_split(config: DecoderConfig, dtype,
+                   parallel: TensorParallel | None) -> SplitModel:
+  """The split model with `jax.ShapeDtypeStruct`s for weights (with their placements over
+  `parallel`'s mesh): all that tracing, lowering and compiling the steps need, before any weight
+  is read (`place` gives the same structure)."""
+  graphdef, state = _abstract_state(config, dtype)
+  specs = {n: jax.ShapeDtypeStruct(w.shape, w.dtype,
+                                   sharding=None if parallel is None else parallel.weight(n))
+           for n, w in nnx.to_pure_dict(state).items()}
+  nnx.replace_by_pure_dict(state, specs)
+  leaves, treedef = jax.tree.flatten(state)
+  return SplitModel(graphdef, treedef, leaves)
+
+
 def place(config: DecoderConfig, weights: Mapping[str, Any], dtype,
           parallel: TensorParallel | None) -> SplitModel:
   """Check {weight kind: array} against the model's shapes, cast to `dtype` and place it: on the
   first device, or split over `parallel`'s mesh in its shard-major layout."""
-  abstract = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
+  graphdef, state = _abstract_state(config, dtype)
   expected = nnx.to_pure_dict(state)
   if set(expected) != set(weights):
     raise ValueError(f"weights have kinds {sorted(weights)}, expected {sorted(expected)}")

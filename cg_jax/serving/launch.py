@@ -116,7 +116,9 @@ def serve_model(model: str, *, sock: socket.socket, engine_options: dict[str, An
   # (before uvicorn configures its loggers: the launcher's first lines in uvicorn's format)
   logging.basicConfig(format="%(levelname)s:     %(message)s", level=log_level.upper())
   directory = tempfile.mkdtemp(prefix="cg_jax-")
-  build = functools.partial(Engine.from_pretrained, model, **engine_options)
+  # (the serving executables compile while the checkpoint is read)
+  build = functools.partial(Engine.from_pretrained, model, **engine_options,
+                            compile_while_loading=WARMUP_PHASES)
   core = prestart.take().run(process.run, directory, build, WARMUP_PHASES, LATER_PHASES,
                              log_level)
   log.info("engine core process started (pid %d); %d front end%s", core.pid, api_servers,
