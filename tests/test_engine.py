@@ -210,6 +210,22 @@ def test_executables_build_while_the_weights_load(engine, monkeypatch):
   later.close()
 
 
+def test_compile_behind_leaves_stored_executables_to_the_warmup(engine, monkeypatch, tmp_path):
+  fresh = Engine(engine.model_config, engine.weights(), compilation_cache=False, **ENGINE_OPTIONS)
+  table = fresh.executables
+  keys = fresh.executable_keys(phases=SERVING_PHASES)
+  stored, marker = set(keys[::2]), tmp_path / "stored.exe"
+  marker.write_bytes(b"")
+  monkeypatch.setattr(table, "_stored", lambda key: marker if key in stored else None)
+  built = _slow_builds(table, monkeypatch, seconds=0)
+  table.compile_behind(keys)
+  deadline = time.monotonic() + 60
+  while not set(keys) - stored <= set(table.compiled) and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert set(built) == set(table.compiled) == set(keys) - stored
+  fresh.close()
+
+
 def test_a_stopped_warmup_leaves_its_unstarted_keys_to_get(monkeypatch):
   engine = Engine.from_pretrained("tiny-llama", **ENGINE_OPTIONS)
   table = engine.executables

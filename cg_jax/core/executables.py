@@ -335,15 +335,18 @@ class ExecutableTable:
         bar.close()
     return {"/".join(map(str, k)): seconds[k] for k in keys}
 
-  def compile_behind(self, keys: Sequence[tuple]) -> threading.Thread:
-    """`compile(keys)` on a background thread, started now (a `compile` or `get` of those keys
-    waits for their builds). A failed build is raised to whoever waits for it."""
+  def compile_behind(self, keys: Sequence[tuple]) -> None:
+    """Start compiling those of `keys` that are not stored, on a background thread (a `compile`
+    or `get` of them waits for their builds; a failed build is raised to whoever waits). Stored
+    ones are left to `compile`: loading them is quick, and beside a checkpoint read it only
+    slowed the read (benchmarks/results/compile_while_loading_cpu.md)."""
+    todo = [key for key in keys if not (path := self._stored(key)) or not path.exists()]
+
     def run():
       with contextlib.suppress(Exception):  # (raised again to the key's waiters)
-        self.compile(keys, progress=False)
-    thread = threading.Thread(target=run, name="cg_jax-compile-behind", daemon=True)
-    thread.start()
-    return thread
+        self.compile(todo, progress=False)
+    if todo:
+      threading.Thread(target=run, name="cg_jax-compile-behind", daemon=True).start()
 
   def priming(self, keys: Sequence[tuple]) -> tuple[list[tuple], int]:
     """(the step keys among `keys` that `prime` runs, how often each). On a GPU: every step
