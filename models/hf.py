@@ -428,7 +428,7 @@ def load_checkpoint(path: str | os.PathLike, dtype="float32") -> tuple[DecoderCo
   """
   # The tensors are read where they are converted, straight from the files' mappings: no copy of
   # them is made first, nor staged through a JAX array or an accelerator
-  # (benchmarks/results/checkpoint_load_cpu.md).
+  # (benchmarks/results/checkpoint_load_cpu.md, checkpoint_mapped_cpu.md).
   config, tensors = read_tensors(path)
   weights = convert_weights(config, tensors.__getitem__, list(tensors), dtype)
   # (a tensor used as stored, e.g. an embedding in the target dtype, is still a view: copied)
