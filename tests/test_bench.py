@@ -4,8 +4,14 @@ prints, --compare's earlier rows beside this run's, and bad arguments (exit 2 na
 flag)."""
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -168,6 +174,50 @@ def test_startup_serve(capsys, tmp_path):
   f = row.figures
   assert 0 < f["listen_s"] <= f["ready_s"] <= f["first_answer_s"], f
   assert 0 < f["loaded_s"] <= f["ready_s"], f  # (the core loads while the launcher starts)
+
+
+def _descendants(pid: int) -> set[int]:
+  """The live processes below `pid` (Linux: /proc's parent links)."""
+  parents = {}
+  for entry in os.listdir("/proc"):
+    with contextlib.suppress(OSError, ValueError, IndexError):
+      with open(f"/proc/{entry}/stat") as stat:
+        parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+  found, frontier = set(), {pid}
+  while frontier:
+    frontier = {child for child, parent in parents.items() if parent in frontier} - found
+    found |= frontier
+  return found
+
+
+@pytest.mark.skipif(cli.server is None or not os.path.isdir("/proc"),
+                    reason="`serve` needs the serve extra; the process tree is read from /proc")
+@pytest.mark.parametrize("which", ["engine", "serve"])
+def test_startup_stopped_leaves_no_process(tmp_path, which):
+  # SIGTERM to `bench startup` while its start runs: the start's processes go with it.
+  bench = subprocess.Popen(
+      [sys.executable, "-m", "cg_jax", "bench", "startup", *TINY_START, "--which", which,
+       "--starts", "cold", "--output", str(tmp_path / "rows.jsonl")],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+  try:
+    deadline, started = time.monotonic() + 60, set()
+    while not started and time.monotonic() < deadline:
+      time.sleep(0.2)
+      started = _descendants(bench.pid)
+    assert started, "the start never began"
+    time.sleep(1.0)  # (inside the start: imports running)
+    started = _descendants(bench.pid)
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) != 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in started):
+      time.sleep(0.1)
+    left = [pid for pid in started if os.path.exists(f"/proc/{pid}")]
+    assert not left, f"processes left after SIGTERM: {left}"
+  finally:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(bench.pid, signal.SIGKILL)
+    bench.wait()
 
 
 @pytest.mark.parametrize("argv, flag, allowed", [

@@ -15,6 +15,8 @@ again for the warm one. Times are seconds from just before the process is spawne
     warm-up starts), `ready_s` when GET /health first answers 200 (polled every 20 ms),
     `first_answer_s` when the first POST /v1/completions (4 tokens) returns; then SIGTERM, and
     the process must exit.
+A start runs in a process group of its own, killed whenever the measurement ends another way
+(an error, a timeout, SIGTERM or SIGINT to this process): nothing it started outlives it.
 `--max-seq-len`, `--batch-buckets`, `--prompt-buckets` and `--max-num-batched-tokens` pass
 through to both.
 """
@@ -92,7 +94,8 @@ def run(args) -> list[rows.Row]:
   workload = dict(max_seq_len=args.max_seq_len, batch_buckets=args.batch_buckets,
                   prompt_buckets=args.prompt_buckets)
   result = []
-  with tqdm(total=len(which) * len(starts), desc="startup", unit="start") as bar:
+  with _exit_on_sigterm(), tqdm(total=len(which) * len(starts), desc="startup",
+                                unit="start") as bar:
     for what in which:
       # One cache per kind of start: a warm serve start must not reuse the engine's entries.
       with tempfile.TemporaryDirectory(prefix=f"cg_jax_startup_{what}_") as cache:
@@ -104,6 +107,31 @@ def run(args) -> list[rows.Row]:
   return result
 
 
+@contextlib.contextmanager
+def _exit_on_sigterm():
+  """SIGTERM raises SystemExit (as SIGINT raises KeyboardInterrupt), so that the `finally`
+  clauses that stop the started processes run; the handler before is restored after."""
+  if threading.current_thread() is not threading.main_thread():
+    yield  # (signal handlers belong to the main thread)
+    return
+
+  def leave(signum, frame):
+    raise SystemExit(128 + signum)
+
+  before = signal.signal(signal.SIGTERM, leave)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, before)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+  """Kill a start's process group (it leads one: `start_new_session`), its children too."""
+  with contextlib.suppress(ProcessLookupError, PermissionError):
+    os.killpg(process.pid, signal.SIGKILL)
+  process.wait()
+
+
 def _env(cache: str) -> dict[str, str]:
   return dict(os.environ, CG_JAX_COMPILATION_CACHE=cache)
 
@@ -112,11 +140,15 @@ def _engine(args, cache: str) -> dict[str, float]:
   command = [sys.executable, "-m", "cg_jax.bench.startup", "--child", "--model", args.model,
              "--cache", cache, *_pass_through(args)]
   begin = time.time()
-  done = subprocess.run(command, capture_output=True, text=True, env=_env(cache),
-                        timeout=args.timeout)
-  if done.returncode != 0:
-    raise RuntimeError(f"the engine start failed ({done.returncode}): {done.stderr[-4000:]}")
-  at = json.loads(done.stdout.strip().splitlines()[-1])
+  process = subprocess.Popen(command, env=_env(cache), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    out, err = process.communicate(timeout=args.timeout)
+  finally:
+    _kill_group(process)
+  if process.returncode != 0:
+    raise RuntimeError(f"the engine start failed ({process.returncode}): {err[-4000:]}")
+  at = json.loads(out.strip().splitlines()[-1])
   return {**{name: at[name] - begin for name in ("import_s", "load_s", "warmup_s",
                                                  "first_answer_s")},
           **{name: at[name] for name in ("executables", "slowest_compile_s", "checkpoint_read_s",
@@ -140,7 +172,7 @@ def _serve(args, cache: str) -> dict[str, float]:
   begin = time.time()
   deadline = time.monotonic() + args.timeout
   process = subprocess.Popen(command, env=_env(cache), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
   lines, found, loaded = [], queue.Queue(), []
 
   def read():
@@ -181,9 +213,7 @@ def _serve(args, cache: str) -> dict[str, float]:
     if code != 0:
       raise RuntimeError(f"`serve` exited {code} after SIGTERM: {''.join(lines)[-4000:]}")
   finally:
-    if process.poll() is None:
-      process.kill()
-      process.wait()
+    _kill_group(process)
     reader.join(timeout=30)
   return {"listen_s": listened - begin, "ready_s": ready - begin,
           "first_answer_s": answered - begin,
