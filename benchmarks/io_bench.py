@@ -157,7 +157,7 @@ def offload_in_step_rows(model: str, total_bytes: int, steps: int, max_seq_len: 
   if steps > state.room:
     raise ValueError(f"steps must be <= {state.room} (the positions left after max_seq_len // 2)")
   steps_fn, holder = runner.executables.steps, runner.kv_cache
-  weights = steps_fn.split.weights
+  weights = runner.step_weights
   device = jax.devices()[0]
   # [steps, elements]: distinct device buffers, one per step
   chunks = [jnp.full((total_bytes // steps // 2,), i, jnp.bfloat16) for i in range(steps)]

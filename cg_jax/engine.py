@@ -157,7 +157,6 @@ class Engine:
       weights = random_weights(config, self.dtype, seed)
     self._split = place(config, weights, self.dtype, self._parallel)
     self._load_seconds["weights_place_s"] = time.perf_counter() - start
-    self.executables.steps = dataclasses.replace(steps, split=self._split)  # (same structure)
     if self._parallel is None:
       inputs_at = cache_at = jax.devices()[0]
     else:
@@ -202,6 +201,12 @@ class Engine:
     """The device weights as {weight kind: array} (shared, not copied; with tensor_parallel > 1,
     copies in the canonical column layout)."""
     return canonical(self.model_config, self._split, self._parallel)
+
+  @property
+  def step_weights(self) -> list[jax.Array]:
+    """The placed weights as the executables take them (their first argument: flat, stacked
+    over layers, in `executables.steps.split`'s order, which holds only their shapes)."""
+    return self._split.weights
 
   def with_options(self, **options) -> "Engine":
     """A new engine over the same device weights with other options (e.g. another graph mode

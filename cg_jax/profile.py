@@ -254,7 +254,7 @@ def _run_steps(engine, step, state: DecodeState, steps: int, read_back: bool):
   carry = _inputs(engine, state.carry)
   load = engine.executables.get(("load",))
   staged = np.zeros_like(state.packed)
-  weights, holder = engine.executables.steps.split.weights, engine.kv_cache
+  weights, holder = engine.step_weights, engine.kv_cache
   cache = holder.get()
   dispatch = []
   jax.block_until_ready(cache)
@@ -322,7 +322,7 @@ def time_prefill(engine, batch: int, prompt_len: int, *, repeats: int = 10,
   tokens, lengths, tables = _inputs(engine, (
       rng.integers(0, engine.model_config.vocab_size, (bucket, length)).astype(np.int32),
       np.full((bucket,), prompt_len, np.int32), identity_tables(engine, bucket)))
-  weights, holder = engine.executables.steps.split.weights, engine.kv_cache
+  weights, holder = engine.step_weights, engine.kv_cache
 
   def once():
     cache = jax.block_until_ready(holder.get())

@@ -66,7 +66,7 @@ def check_engine(name, config):
   check(parallel.stats()["tensor_parallel"] == DEVICES, "stats report tensor_parallel")
 
   # Placements: split weights and a cache split by KV head, over all devices.
-  qkv = next(w for w in parallel.executables.steps.split.weights if w.ndim == 3
+  qkv = next(w for w in parallel.step_weights if w.ndim == 3
              and w.shape[-1] == config.qkv_width)
   check(len(qkv.sharding.device_set) == DEVICES, f"{name}: qkv on {qkv.sharding.device_set}")
   check(qkv.sharding.spec == jax.sharding.PartitionSpec(None, None, AXIS), f"{name}: qkv spec")
@@ -77,7 +77,7 @@ def check_engine(name, config):
 
   # Back to one device from the split engine.
   again = parallel.with_options(tensor_parallel=1)
-  check(all(len(w.sharding.device_set) == 1 for w in again.executables.steps.split.weights),
+  check(all(len(w.sharding.device_set) == 1 for w in again.step_weights),
         f"{name}: with_options(tensor_parallel=1) left weights split")
 
   # Full-forward logits.
@@ -94,7 +94,7 @@ def check_engine(name, config):
     cache = init_cache(config, 2, 16, jnp.float32)
     if engine is parallel:
       cache = jax.device_put(cache, parallel.kv_cache.get().k.sharding)
-    model = steps.split.merge(steps.split.weights)
+    model = steps.split.merge(engine.step_weights)
     options = dict(attention=steps.attention, shards=steps.shards)
     prefill = jax.jit(lambda t, n, c: model.prefill(t, n, c, **options))
     decode = jax.jit(lambda t, p, c: model.decode(t, p, c, **options))

@@ -257,7 +257,7 @@ def test_outputs_the_host_reads_are_in_pinned_host_memory(engine):
   config, table = engine.config, engine.executables
   size = config.token_buckets[0]
   rows = config.rows(size)
-  weights = table.steps.split.weights
+  weights = engine.step_weights
   # One request of `size` tokens in the step's first row, the others empty; then its decode row.
   counts = np.zeros((rows,), np.int32)
   counts[0] = size
@@ -394,7 +394,7 @@ def test_priming_runs_the_steps_and_writes_no_block(engine):
     compiles = compile_stats.compile_count()
     table.get = counting
     try:
-      cache, _ = table.prime(keys, table.steps.split.weights, cache,
+      cache, _ = table.prime(keys, engine.step_weights, cache,
                              np.zeros((engine.config.step_layout.size,), np.int32))
     finally:
       del table.get
@@ -845,7 +845,7 @@ def test_static_prefill_gives_generates_first_tokens(engine):
   cache = engine.kv_cache
   with engine._scheduler.exclusive():
     logits, new_cache = engine.executables.get(("prefill", 2, 16))(
-        engine.executables.steps.split.weights, cache.get(), tokens, lengths,
+        engine.step_weights, cache.get(), tokens, lengths,
         identity_tables(engine, 2))
     cache.set(new_cache)
     first = np.asarray(engine.executables.get(("first", 2, True))(logits, lengths, None))
