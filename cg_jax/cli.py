@@ -72,7 +72,7 @@ SERVE_FLAGS = {
     "batch_buckets": "--batch-buckets", "batch_sizes": "--batch-buckets",
     "max_num_seqs": "--max-num-seqs",
     "prompt_buckets": "--prompt-buckets", "max_waiting": "--max-waiting",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_num_batched_tokens": "--max-num-batched-tokens", "token_buckets": "--token-buckets",
     "request_timeout": "--request-timeout", "batch_invariant": "--batch-invariant"}
 PROFILE_FLAGS = {
     "max_seq_len": "--max-seq-len", "tensor_parallel": "--tensor-parallel",
@@ -81,7 +81,8 @@ BENCH_FLAGS = {
     "max_seq_len": "--max-seq-len", "batch_buckets": "--batch-buckets",
     "batch_sizes": "--batch-buckets", "prompt_buckets": "--prompt-buckets",
     "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens", "max_new_tokens": "--output-len"}
+    "max_num_batched_tokens": "--max-num-batched-tokens", "token_buckets": "--token-buckets",
+    "max_new_tokens": "--output-len"}
 # `bench` subcommand -> its module (`add_arguments(parser)`, `run(args) -> list[Row]`).
 BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "serve": bench_serve,
            "startup": bench_startup}
@@ -170,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
   srv.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens one engine step takes at most (the step executables' "
                         "largest token bucket); None = 2048 on a GPU, 256 elsewhere")
+  srv.add_argument("--token-buckets", type=_int_list, default=None,
+                   help="the step executables' token counts, comma separated, ascending, the "
+                        "last the step budget (--max-num-batched-tokens); None = powers of two "
+                        "from 8 on a GPU, from 1 elsewhere")
   srv.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait to run; more are answered 429")
   srv.add_argument("--request-timeout", type=float, default=None,
@@ -407,7 +412,7 @@ def serve(args) -> int:
         args.model, sock=sock, served_model_name=args.served_model_name,
         engine_options=dict(prompt_buckets=args.prompt_buckets, max_waiting=args.max_waiting,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            **_engine_options(args)),
+                            token_buckets=args.token_buckets, **_engine_options(args)),
         api_servers=args.api_servers, request_timeout=args.request_timeout,
         graceful_timeout=args.graceful_timeout, log_level=args.log_level)
   finally:

@@ -83,7 +83,7 @@ class Engine:
     engine_config: a whole `EngineConfig` tree; or else
     **options: its keyword options, with the platform's defaults for those left out (see
       `EngineConfig.create` and `ForwardConfig.create`): max_seq_len, max_num_seqs,
-      max_num_batched_tokens, batch_buckets, prompt_buckets, graphs, readback_lag,
+      max_num_batched_tokens, token_buckets, batch_buckets, prompt_buckets, graphs, readback_lag,
       prefill_gemm, tensor_parallel, batch_invariant, prefix_cache_tokens, prefix_block,
       kv_blocks, gpu_memory_utilization, compiler_options, attention, layer_loop,
       min_matmul_rows, prefill_attention (a `FlashAttentionConfig`).

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from cg_jax.profile import identity_tables
 from cg_jax import Buckets, Engine, EngineConfig
 from cg_jax.core import compile_stats
-from cg_jax.core.config import blocks_for_memory, on_gpu
+from cg_jax.core.config import blocks_for_memory, default_token_buckets, on_gpu
 from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
@@ -77,6 +77,50 @@ def test_token_buckets_start_where_padding_tokens_stop_being_free():
                                      max_num_batched_tokens=32) for attention in ("xla", "pallas"))
   assert xla.token_buckets == (1, 2, 4, 8, 16, 32)
   assert pallas.token_buckets == (8, 16, 32)
+  assert default_token_buckets(100, "pallas") == (8, 16, 32, 64, 100)  # (the budget ends them)
+  assert default_token_buckets(4, "pallas") == (4,)
+
+
+def test_default_gpu_engine_compiles_at_most_16_executables(monkeypatch):
+  # The serving executables of the GPU defaults (no compile).
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  engine = Engine(preset("tiny-llama"), None, dtype="float32", max_seq_len=512)
+  assert engine.config.token_buckets == (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+  assert len(engine.executable_keys()) <= 16, engine.executable_keys()
+
+
+def test_token_buckets_option():
+  model = preset("tiny-llama")
+  given = EngineConfig.create(model, max_seq_len=64, token_buckets=[4, 16, 64])
+  assert given.token_buckets == (4, 16, 64) and given.max_num_batched_tokens == 64
+  # Rebuilt from its options: the same tree; a default tree's options leave them out.
+  assert EngineConfig.create(model, **given.options()) == given
+  default = EngineConfig.create(model, max_seq_len=64)
+  assert default.options()["token_buckets"] is None
+  assert EngineConfig.create(model, **default.options()) == default
+  for options, error, match in [
+      (dict(token_buckets=[4, 16], max_num_batched_tokens=32), ValueError,
+       r"token_buckets must end at max_num_batched_tokens \(32\).*\(4, 16\)"),
+      (dict(token_buckets=[16, 4]), ValueError, r"ascending distinct ints >= 1, got \(16, 4\)"),
+      (dict(token_buckets=[0, 4]), ValueError, r"ascending distinct ints >= 1, got \(0, 4\)"),
+      (dict(token_buckets=[4, 4.0]), ValueError, r"ascending distinct ints >= 1"),
+      (dict(token_buckets=[]), ValueError, r"ascending distinct ints >= 1, got \(\)"),
+      (dict(token_buckets="16"), TypeError, r"token_buckets must be a sequence of ints, got '16'"),
+      (dict(token_buckets=[8], batch_invariant=True), ValueError,
+       r"token_buckets=\[8\] has no effect with batch_invariant=True")]:
+    with pytest.raises(error, match=match):
+      EngineConfig.create(model, max_seq_len=64, **options)
+
+
+def test_given_token_buckets_are_the_steps(engine):
+  # The steps run in the buckets given, and a request's tokens do not depend on them.
+  other = engine.with_options(token_buckets=(2, 6, engine.config.max_num_batched_tokens))
+  other.warmup(progress=False)  # (no compile on the request path: other tests count them)
+  assert [k[1] for k in other.executable_keys() if k[0] == "step"] == list(
+      other.config.token_buckets)
+  prompts = _prompts(3, [5, 9, 2])
+  assert list(other.generate(prompts, max_new_tokens=6, eos_token_id=[])) == list(
+      engine.generate(prompts, max_new_tokens=6, eos_token_id=[]))
 
 
 def test_large_batch_is_split_into_runs(engine):
@@ -800,10 +844,13 @@ def test_a_new_build_compiles_and_stores_its_executables_once(tmp_path):
   assert len(list((tmp_path / "executables").iterdir())) == 2
 
 
-def test_prefill_gemm_default_follows_the_model_width():
-  assert EngineConfig.create(preset("llama-3.2-1b")).prefill_gemm == "cublas"
-  assert EngineConfig.create(preset("gpt2")).prefill_gemm == "xla"
-  assert EngineConfig.create(preset("gpt2"), prefill_gemm="cublas").prefill_gemm == "cublas"
+def test_prefill_gemm_default_is_cublas_unautotuned():
+  for name in ("llama-3.2-1b", "gpt2"):
+    config = EngineConfig.create(preset(name))
+    assert config.prefill_gemm == "cublas"
+    assert config.prefill_xla_options["xla_gpu_autotune_level"] == 0
+    assert "xla_gpu_autotune_level" not in config.xla_options  # (the decode steps autotune)
+  assert EngineConfig.create(preset("gpt2"), prefill_gemm="xla").prefill_gemm == "xla"
 
 
 def test_prompt_executables_compile_with_the_prefill_gemm_options(monkeypatch):

@@ -18,8 +18,8 @@ MODEL_HELP = ("checkpoint directory, bundled model, preset name (random weights)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
-  """--model, (--dtype,) --max-seq-len, --max-num-seqs, --batch-buckets, --prompt-buckets and
-  --max-num-batched-tokens."""
+  """--model, (--dtype,) --max-seq-len, --max-num-seqs, --batch-buckets, --prompt-buckets,
+  --max-num-batched-tokens and --token-buckets."""
   parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
   if dtype:
     parser.add_argument("--dtype", default=None, choices=DTYPES,
@@ -38,6 +38,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) 
   parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                       help="prompt tokens one engine step takes at most; None = the engine's "
                            "default")
+  parser.add_argument("--token-buckets", default=None,
+                      help="the step executables' token counts, comma separated, ascending, the "
+                           "last the step budget; None = the engine's default")
 
 
 def integer(flag: str, value: int | None, minimum: int = 1, maximum: int | None = None,
@@ -119,16 +122,18 @@ def engine_options(args, batch_buckets: Sequence[int] | None,
                                                 args.max_num_batched_tokens)
   if getattr(args, "max_num_seqs", None) is not None:
     options["max_num_seqs"] = integer("--max-num-seqs", args.max_num_seqs)
+  if getattr(args, "token_buckets", None) is not None:
+    options["token_buckets"] = tuple(int_list("--token-buckets", args.token_buckets))
   return options
 
 
 def row(args, workload: dict[str, Any], figures: dict[str, float],
         device: str | None = None) -> rows.Row:
-  """This run's row: `--system`, `--model`, the workload (with `--max-num-batched-tokens` and
-  `--max-num-seqs` when given: rows of the default stay comparable with earlier ones), the
-  figures and where it ran."""
+  """This run's row: `--system`, `--model`, the workload (with `--max-num-batched-tokens`,
+  `--max-num-seqs` and `--token-buckets` when given: rows of the default stay comparable with
+  earlier ones), the figures and where it ran."""
   workload = dict(workload)
-  for option in ("max_num_batched_tokens", "max_num_seqs"):
+  for option in ("max_num_batched_tokens", "max_num_seqs", "token_buckets"):
     if getattr(args, option, None) is not None:
       workload[option] = getattr(args, option)
   return rows.Row(system=args.system, model=args.model, workload=workload,

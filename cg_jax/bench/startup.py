@@ -17,8 +17,8 @@ again for the warm one. Times are seconds from just before the process is spawne
     the process must exit.
 A start runs in a process group of its own, killed whenever the measurement ends another way
 (an error, a timeout, SIGTERM or SIGINT to this process): nothing it started outlives it.
-`--max-seq-len`, `--batch-buckets`, `--prompt-buckets` and `--max-num-batched-tokens` pass
-through to both.
+`--max-seq-len`, `--batch-buckets`, `--prompt-buckets`, `--max-num-batched-tokens` and
+`--token-buckets` pass through to both.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def _pass_through(args) -> list[str]:
   flags = []
   for flag, value in (("--max-seq-len", args.max_seq_len), ("--batch-buckets", args.batch_buckets),
                       ("--prompt-buckets", args.prompt_buckets),
-                      ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+                      ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                      ("--token-buckets", args.token_buckets)):
     if value is not None:
       flags += [flag, str(value)]
   return flags
@@ -91,6 +92,7 @@ def run(args) -> list[rows.Row]:
   options.int_list("--batch-buckets", args.batch_buckets)
   options.int_list("--prompt-buckets", args.prompt_buckets)
   options.integer("--max-num-batched-tokens", args.max_num_batched_tokens, optional=True)
+  options.int_list("--token-buckets", args.token_buckets)
   workload = dict(max_seq_len=args.max_seq_len, batch_buckets=args.batch_buckets,
                   prompt_buckets=args.prompt_buckets)
   result = []

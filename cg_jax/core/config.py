@@ -32,15 +32,15 @@ ATTENTION_BACKENDS = ("xla", "pallas")
 # Largest readback lag and matmul row padding accepted.
 MAX_READBACK_LAG = 8
 # The prefill steps' GEMMs: "xla" leaves the choice to XLA (its autotuned Triton GEMM
-# fusions, as the decode steps use), "cublas" turns Triton GEMMs off so that the long-M products
-# of a prefill go to cuBLAS. `EngineConfig.create` picks cuBLAS for models at least
-# CUBLAS_PREFILL_HIDDEN wide, where it gave the faster time to first token, and XLA below
-# (benchmarks/results/user_latency_h200.md).
+# fusions, as the decode steps use); "cublas", the default, turns Triton GEMMs off so that the
+# long-M products of a prefill go to cuBLAS, in the algorithm its heuristics pick (no
+# autotuning). Autotuning the Triton GEMMs of gpt2's prompt steps was most of its cold start
+# (97 s), cuBLAS unautotuned started in 34 s with first tokens no later
+# (benchmarks/results/compile_time_h100.md).
 PREFILL_GEMMS: dict[str, dict[str, Any]] = {
     "xla": {},
-    "cublas": {"xla_gpu_enable_triton_gemm": False},
+    "cublas": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0},
 }
-CUBLAS_PREFILL_HIDDEN = 2048
 MAX_MATMUL_ROWS = 64
 # The prompt chunk of `batch_invariant` engines unless prompt_buckets names one.
 INVARIANT_CHUNK = 256
@@ -176,6 +176,10 @@ class EngineConfig:
     same shapes), the paged kernel's split count depends on the block table's width only, and
     a step takes one prompt's chunk of the one prompt bucket, at multiples of it (prefix-cache
     hits are used in whole chunks), beside the decode rows.
+  token_buckets: the token counts of the step executables, ascending, the last
+    max_num_batched_tokens; a step pads its tokens to the smallest that holds them
+    (`create`'s default: `default_token_buckets`). Batch-invariant engines: the one,
+    max_num_batched_tokens + max_num_seqs.
   """
 
   max_seq_len: int
@@ -184,7 +188,7 @@ class EngineConfig:
   forward: ForwardConfig
   graphs: str = "xla-default"
   readback_lag: int = 2
-  prefill_gemm: str = "xla"
+  prefill_gemm: str = "cublas"
   tensor_parallel: int = 1
   max_waiting: int = 1024
   prefix_cache_tokens: int = 0
@@ -194,6 +198,7 @@ class EngineConfig:
   gpu_memory_utilization: float | None = None
   compiler_options: tuple[tuple[str, Any], ...] = ()
   batch_invariant: bool = False
+  token_buckets: tuple[int, ...] = ()
 
   def __post_init__(self):
     if not _is_int(self.max_seq_len) or self.max_seq_len < 2:
@@ -246,11 +251,28 @@ class EngineConfig:
     if not _is_int(self.tensor_parallel):  # its range depends on the devices: `check_model`
       raise ValueError(f"tensor_parallel must be an int, got {self.tensor_parallel!r}")
     self._check_batch_invariance()
+    self._check_token_buckets()
     if not isinstance(self.compiler_options, tuple) or any(
         not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], str)
         for pair in self.compiler_options):
       raise TypeError(f"compiler_options must be (name, value) pairs, got "
                       f"{self.compiler_options!r}")
+
+  def _check_token_buckets(self) -> None:
+    sizes, budget = self.token_buckets, self.max_num_batched_tokens
+    if self.batch_invariant:
+      expected = (budget + self.step_rows,)
+      if sizes != expected:
+        raise ValueError(f"batch_invariant=True runs one token bucket, a prompt chunk beside a "
+                         f"decode row per running request ({expected}); got token_buckets="
+                         f"{sizes!r}")
+      return
+    if (not isinstance(sizes, tuple) or not sizes or not all(_is_int(t) for t in sizes)
+        or list(sizes) != sorted(set(sizes)) or sizes[0] < 1):
+      raise ValueError(f"token_buckets must be ascending distinct ints >= 1, got {sizes!r}")
+    if sizes[-1] != budget:
+      raise ValueError(f"token_buckets must end at max_num_batched_tokens ({budget}), a "
+                       f"step's token budget; got {sizes!r}")
 
   def _check_batch_invariance(self) -> None:
     if not isinstance(self.batch_invariant, bool):
@@ -277,13 +299,14 @@ class EngineConfig:
   def create(cls, model: DecoderConfig, *, max_seq_len: int | None = None,
              max_num_seqs: int | None = None, batch_buckets: Sequence[int] | None = None,
              prompt_buckets: Sequence[int] | None = None, graphs: str = "xla-default",
-             readback_lag: int = 2, prefill_gemm: str | None = None, tensor_parallel: int = 1,
+             readback_lag: int = 2, prefill_gemm: str = "cublas", tensor_parallel: int = 1,
              max_waiting: int = 1024, prefix_cache_tokens: int | None = None,
              prefix_block: int | None = None, kv_blocks: int | None = None,
              max_num_batched_tokens: int | None = None,
              gpu_memory_utilization: float | None = None,
              compiler_options: Mapping[str, Any] | None = None,
-             batch_invariant: bool = False, **forward_options) -> "EngineConfig":
+             batch_invariant: bool = False, token_buckets: Sequence[int] | None = None,
+             **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
     min(model context, DEFAULT_MAX_SEQ_LEN); max_num_seqs the largest batch bucket (batch
     buckets DEFAULT_BATCH_BUCKETS, those up to max_num_seqs when only it is given); prompt
@@ -291,8 +314,8 @@ class EngineConfig:
     KV blocks of 64 tokens with the Pallas kernel, else of min(16, max_seq_len - 1), as many as
     `num_blocks` says unless kv_blocks or gpu_memory_utilization is given; steps of up to
     DEFAULT_STEP_TOKENS tokens, at most max_num_seqs x max_seq_len (the prompt bucket when
-    batch-invariant); the prompt executables' GEMMs on cuBLAS for models at least
-    CUBLAS_PREFILL_HIDDEN wide, else XLA's; the forward options of `ForwardConfig.create`. With
+    batch-invariant), in the token buckets of `default_token_buckets` (given token_buckets: the
+    last is the budget); the forward options of `ForwardConfig.create`. With
     `batch_invariant`, one prompt bucket of min(INVARIANT_CHUNK, max_seq_len - 1) tokens.
     Checked against `model`."""
     if max_seq_len is None:
@@ -304,8 +327,6 @@ class EngineConfig:
         prompt_buckets = powers_of_two(min(16, max_seq_len - 1), max_seq_len - 1)
       if prefix_cache_tokens is None:
         prefix_cache_tokens = 4 * max_seq_len
-    if prefill_gemm is None:
-      prefill_gemm = "cublas" if model.hidden_size >= CUBLAS_PREFILL_HIDDEN else "xla"
     if kv_blocks is not None and gpu_memory_utilization is not None:
       raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} has no effect with "
                        f"kv_blocks={kv_blocks!r}: give one (the blocks, or the share of device "
@@ -320,6 +341,15 @@ class EngineConfig:
     buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets or ()))
     if max_num_seqs is None:
       max_num_seqs = buckets.max_batch
+    if token_buckets is not None:
+      if batch_invariant is True:
+        raise ValueError(f"token_buckets={token_buckets!r} has no effect with "
+                         f"batch_invariant=True, which runs one token bucket")
+      if isinstance(token_buckets, (str, bytes)) or not isinstance(token_buckets, Sequence):
+        raise TypeError(f"token_buckets must be a sequence of ints, got {token_buckets!r}")
+      token_buckets = tuple(token_buckets)
+      if max_num_batched_tokens is None and token_buckets and _is_int(token_buckets[-1]):
+        max_num_batched_tokens = token_buckets[-1]
     if max_num_batched_tokens is None and batch_invariant is True:
       max_num_batched_tokens = buckets.prompt_lengths[0]
     elif max_num_batched_tokens is None and _is_int(max_seq_len):
@@ -331,6 +361,10 @@ class EngineConfig:
       # Pages of 64 tokens beat 16 in every H200 decode row of the paged kernel.
       pallas = forward.attention == "pallas" and max_seq_len > 64
       prefix_block = 64 if pallas else min(16, max_seq_len - 1)
+    if token_buckets is None and _is_int(max_num_batched_tokens) and _is_int(max_num_seqs) and (
+        max_num_batched_tokens >= 1):  # (else the tree's own check says why)
+      token_buckets = ((max_num_batched_tokens + max_num_seqs,) if batch_invariant is True
+                       else default_token_buckets(max_num_batched_tokens, forward.attention))
     config = cls(
         max_seq_len=max_seq_len, max_num_seqs=max_num_seqs, buckets=buckets, forward=forward,
         graphs=graphs, readback_lag=readback_lag, prefill_gemm=prefill_gemm,
@@ -339,7 +373,7 @@ class EngineConfig:
         max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=gpu_memory_utilization,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
-        batch_invariant=batch_invariant)
+        batch_invariant=batch_invariant, token_buckets=token_buckets or ())
     config.check_model(model)
     return config
 
@@ -355,17 +389,6 @@ class EngineConfig:
   def prefix_blocks(self) -> int:
     """Blocks held for cached prefixes beyond the rows' own (0: prefix caching off)."""
     return self.prefix_cache_tokens // self.prefix_block
-
-  @property
-  def token_buckets(self) -> tuple[int, ...]:
-    """The token counts of the step executables: powers of two from MIN_STEP_TOKENS (the
-    attention backend's) up to `max_num_batched_tokens` (which ends them); batch-invariant
-    engines: one, a prompt chunk beside a decode row per running request (every step the same
-    shapes)."""
-    budget = self.max_num_batched_tokens
-    if self.batch_invariant:
-      return (budget + self.step_rows,)
-    return powers_of_two(min(MIN_STEP_TOKENS[self.forward.attention], budget), budget)
 
   @property
   def step_rows(self) -> int:
@@ -426,7 +449,10 @@ class EngineConfig:
                 kv_blocks=None if self.gpu_memory_utilization is not None else self.kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 compiler_options=dict(self.compiler_options),
-                batch_invariant=self.batch_invariant, attention=f.attention,
+                batch_invariant=self.batch_invariant,
+                token_buckets=None if self.batch_invariant or self.token_buckets
+                == default_token_buckets(self.max_num_batched_tokens, f.attention)
+                else self.token_buckets, attention=f.attention,
                 layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
                 prefill_attention=f.prefill_attention)
 
@@ -438,6 +464,14 @@ class EngineConfig:
     out["xla_options"] = self.xla_options
     out["prefill_xla_options"] = self.prefill_xla_options
     return out
+
+
+def default_token_buckets(budget: int, attention: str) -> tuple[int, ...]:
+  """The step executables' token counts for a step budget: powers of two from MIN_STEP_TOKENS
+  (the attention backend's) up to the budget. Not sparser below 128: a decode step's GEMMs cost
+  more at 32 rows than at 16 (llama-3.2-1b, 16 rows: 1370 us in a 16-token step, 1495 us in a
+  32-token one; benchmarks/results/compile_time_h100.md)."""
+  return powers_of_two(min(MIN_STEP_TOKENS[attention], budget), budget)
 
 
 def blocks_for_memory(model: DecoderConfig, config: EngineConfig, dtype,
