@@ -223,6 +223,7 @@ def test_startup_stopped_leaves_no_process(tmp_path, which):
 @pytest.mark.parametrize("argv, flag, allowed", [
     (["latency", "--batch", "0"], "--batch", ">= 1"),
     (["latency", "--batch", "1,x"], "--batch", "integers >= 1"),
+    (["throughput", "--token-buckets", "4,x"], "--token-buckets", "integers >= 1"),
     (["latency", "--batch", "4", "--batch-buckets", "1,2"], "--batch 4", "1 to 2"),
     (["latency", "--prompt-len", "30", "--output-len", "8", "--max-seq-len", "32"],
      "--prompt-len 30 + --output-len 8", "at most the KV cache length, --max-seq-len 32"),
