@@ -117,7 +117,7 @@ def test_given_token_buckets_are_the_steps(engine):
   other = engine.with_options(token_buckets=(2, 6, engine.config.max_num_batched_tokens))
   other.warmup(progress=False)  # (no compile on the request path: other tests count them)
   assert [k[1] for k in other.executable_keys() if k[0] == "step"] == list(
-      other.config.token_buckets)
+      other.config.token_buckets) == list(other.stats()["token_buckets"])
   prompts = _prompts(3, [5, 9, 2])
   assert list(other.generate(prompts, max_new_tokens=6, eos_token_id=[])) == list(
       engine.generate(prompts, max_new_tokens=6, eos_token_id=[]))

@@ -460,6 +460,7 @@ class EngineConfig:
     """The configuration that runs, as plain values (kernel configs as dicts)."""
     out = self.options()
     out["kv_blocks"] = self.num_blocks
+    out["token_buckets"] = self.token_buckets
     out["prefill_attention"] = dataclasses.asdict(self.forward.prefill_attention)
     out["xla_options"] = self.xla_options
     out["prefill_xla_options"] = self.prefill_xla_options
