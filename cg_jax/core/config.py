@@ -261,7 +261,7 @@ class EngineConfig:
   def _check_token_buckets(self) -> None:
     sizes, budget = self.token_buckets, self.max_num_batched_tokens
     if self.batch_invariant:
-      expected = (budget + self.step_rows,)
+      expected = default_token_buckets(budget, self.forward.attention, self.step_rows)
       if sizes != expected:
         raise ValueError(f"batch_invariant=True runs one token bucket, a prompt chunk beside a "
                          f"decode row per running request ({expected}); got token_buckets="
@@ -363,8 +363,8 @@ class EngineConfig:
       prefix_block = 64 if pallas else min(16, max_seq_len - 1)
     if token_buckets is None and _is_int(max_num_batched_tokens) and _is_int(max_num_seqs) and (
         max_num_batched_tokens >= 1):  # (else the tree's own check says why)
-      token_buckets = ((max_num_batched_tokens + max_num_seqs,) if batch_invariant is True
-                       else default_token_buckets(max_num_batched_tokens, forward.attention))
+      token_buckets = default_token_buckets(max_num_batched_tokens, forward.attention,
+                                            max_num_seqs if batch_invariant is True else None)
     config = cls(
         max_seq_len=max_seq_len, max_num_seqs=max_num_seqs, buckets=buckets, forward=forward,
         graphs=graphs, readback_lag=readback_lag, prefill_gemm=prefill_gemm,
@@ -450,9 +450,10 @@ class EngineConfig:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 compiler_options=dict(self.compiler_options),
                 batch_invariant=self.batch_invariant,
-                token_buckets=None if self.batch_invariant or self.token_buckets
-                == default_token_buckets(self.max_num_batched_tokens, f.attention)
-                else self.token_buckets, attention=f.attention,
+                token_buckets=None if self.token_buckets == default_token_buckets(
+                    self.max_num_batched_tokens, f.attention,
+                    self.step_rows if self.batch_invariant else None) else self.token_buckets,
+                attention=f.attention,
                 layer_loop=f.layer_loop, min_matmul_rows=f.min_matmul_rows,
                 prefill_attention=f.prefill_attention)
 
@@ -467,11 +468,16 @@ class EngineConfig:
     return out
 
 
-def default_token_buckets(budget: int, attention: str) -> tuple[int, ...]:
+def default_token_buckets(budget: int, attention: str,
+                          invariant_rows: int | None = None) -> tuple[int, ...]:
   """The step executables' token counts for a step budget: powers of two from MIN_STEP_TOKENS
   (the attention backend's) up to the budget. Not sparser below 128: a decode step's GEMMs cost
   more at 32 rows than at 16 (llama-3.2-1b, 16 rows: 1370 us in a 16-token step, 1495 us in a
-  32-token one; benchmarks/results/compile_time_h100.md)."""
+  32-token one; benchmarks/results/compile_time_h100.md). Batch-invariant engines
+  (`invariant_rows`: their max_num_seqs): the one, a prompt chunk of `budget` tokens beside a
+  decode row per running request."""
+  if invariant_rows is not None:
+    return (budget + invariant_rows,)
   return powers_of_two(min(MIN_STEP_TOKENS[attention], budget), budget)
 
 
