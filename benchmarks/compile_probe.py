@@ -5,12 +5,14 @@
 The JSON holds `Engine.from_pretrained` options (max_seq_len 1024 unless given) and, for the
 probe only: "workers" (warm-up threads), "only" (compile just these keys, e.g. "step/8", on
 `workers` threads, default one, and stop), "prefill_options" ({prefill_gemm choice: XLA options
-added to that choice's}, to compare option sets that are not an engine option). Appends two
+added to that choice's}, to compare option sets that are not an engine option),
+"prefill_gemm_tokens" (`executables.PREFILL_GEMM_TOKENS`). Appends two
 rows to OUT.jsonl: "compile" (import, load and warm-up seconds, the process's CPU seconds during
-the warm-up, each executable's seconds) and "timing" (`profile.time_decode` at 1, 8, 16 and 32
-rows, at position 512 (or half the cache); `generate`'s TTFT and per-token time for one prompt
-of that many tokens, the last row's TTFT of 32 such prompts, and tokens/s of 64 requests of
-256 + 128 tokens; medians). Results: results/compile_time_h100.md.
+the warm-up, each executable's seconds) and "timing" (`profile.time_decode` at 1 to 256 rows
+(up to max_num_seqs), at position 512 (or half the cache); `generate`'s TTFT and per-token time
+for one prompt of that many tokens and 128 new (and its per-token time sampled), the last
+row's TTFT of 32 such prompts, and tokens/s of 64 and of 256 requests of 64-480 prompt tokens
+and 128 new; medians). Results: results/compile_time_h100.md.
 """
 
 import json
@@ -28,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from cg_jax import Engine, profile  # noqa: E402
 from cg_jax.core import config as engine_config  # noqa: E402
+from cg_jax.core import executables  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -45,23 +48,32 @@ def add_prefill_options(extra: dict) -> None:
 def timings(engine) -> dict:
   row = {}
   position = min(512, engine.config.max_seq_len // 2)
-  for batch in (1, 8, 16, 32):
-    row[f"step_us_b{batch}"] = round(profile.time_decode(
-        engine, batch, position=position, steps=32, repeats=5)["step_us"], 1)
+  for batch in (1, 8, 16, 32, 64, 128, 256):
+    if batch <= engine.config.step_rows:
+      row[f"step_us_b{batch}"] = round(profile.time_decode(
+          engine, batch, position=position, steps=32, repeats=5)["step_us"], 1)
   rng = np.random.default_rng(0)
   vocab = engine.model_config.vocab_size
 
-  def stats(n, length, new):
-    prompts = [rng.integers(0, vocab, length).tolist() for _ in range(n)]
-    return engine.generate(prompts, new, eos_token_id=[]).stats
+  def stats(n, length, new, **sampling):
+    lengths = [length] * n if isinstance(length, int) else rng.integers(*length, n)
+    prompts = [rng.integers(0, vocab, int(k)).tolist() for k in lengths]
+    return engine.generate(prompts, new, eos_token_id=[], **sampling).stats
 
-  ones = [stats(1, position, 32) for _ in range(4)][1:]
+  ones = [stats(1, position, 128) for _ in range(4)][1:]
   row["b1_ttft_ms"] = round(statistics.median(s["ttft_s"] for s in ones) * 1e3, 2)
   row["b1_per_token_us"] = round(statistics.median(s["per_token_s"] for s in ones) * 1e6, 1)
+  sampled = [stats(1, position, 128, do_sample=True, temperature=0.8, top_p=0.9, seed=0)
+             for _ in range(3)][1:]
+  row["b1_sampled_per_token_us"] = round(
+      statistics.median(s["per_token_s"] for s in sampled) * 1e6, 1)
   batches = [stats(32, position, 1) for _ in range(3)][1:]
   row["b32x512_last_ttft_ms"] = round(
       statistics.median(s["ttft_s_last"] for s in batches) * 1e3, 2)
-  row["r64_tok_s"] = round(stats(64, 256, 128)["tokens_per_s"])
+  # The offline workloads: prompts of 64-480 tokens, 128 new each (median of 2 after one).
+  for n in (64, 256):
+    runs = [stats(n, (64, 481), 128)["tokens_per_s"] for _ in range(3)][1:]
+    row[f"r{n}_tok_s"] = round(statistics.median(runs))
   return row
 
 
@@ -71,6 +83,8 @@ def main(label: str, model: str, out: str, options: str = "{}") -> None:
   workers, only = opts.pop("workers", None), opts.pop("only", None)
   if opts.get("prefill_options"):
     add_prefill_options(opts.pop("prefill_options"))
+  if "prefill_gemm_tokens" in opts:  # (steps of this many decode rows on the prefill GEMMs)
+    executables.PREFILL_GEMM_TOKENS = opts.pop("prefill_gemm_tokens")
   opts.setdefault("max_seq_len", 1024)
   begin = time.perf_counter()
   engine = Engine.from_pretrained(model, **opts)
@@ -84,6 +98,8 @@ def main(label: str, model: str, out: str, options: str = "{}") -> None:
   row = dict(label=label, model=os.path.basename(model.rstrip("/")), options=options,
              token_buckets=engine.config.token_buckets, prefill_gemm=engine.config.prefill_gemm,
              prefill_xla_options=engine.config.prefill_xla_options, workers=workers,
+             max_num_seqs=engine.config.max_num_seqs, kv_blocks=engine.config.num_blocks,
+             executables=len(seconds),
              import_s=round(imported, 2), load_s=round(loaded, 2),
              warmup_wall_s=round(time.perf_counter() - begin, 2),
              warmup_cpu_s=round(cpu_seconds() - cpu, 1),
@@ -100,7 +116,8 @@ def main(label: str, model: str, out: str, options: str = "{}") -> None:
   with open(out, "a") as f:
     f.write(json.dumps(dict(row, kind="timing")) + "\n")
   print(f"[{label}] " + " ".join(f"{k} {v}" for k, v in row.items()
-                                 if k.startswith(("step_us", "b1", "b32", "r64"))), flush=True)
+                                 if k.startswith(("step_us", "b1", "b32", "r64", "r256"))),
+        flush=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ import numpy as np
 
 from cg_jax import text, validation
 from cg_jax.core import attention, compile_stats
-from cg_jax.core.config import OPTION_NAMES, EngineConfig, blocks_for_memory, on_gpu
+from cg_jax.core.config import (DEFAULT_MEMORY_SHARE, OPTION_NAMES, EngineConfig,
+                                blocks_for_memory, on_gpu)
 from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
 from cg_jax.core.kv_cache import CacheHolder
 from cg_jax.core.sampling import TOP_LOGPROBS, unpack_scores
@@ -230,9 +231,23 @@ class Engine:
   def _sized(self, model: DecoderConfig, config: EngineConfig,
              limit: int | None) -> EngineConfig:
     """`config` with `kv_blocks` sized from the device's memory (`limit`, else what the GPU
-    reports, less what is in use) when gpu_memory_utilization is set."""
-    if config.gpu_memory_utilization is None:
+    reports, less what is in use) when gpu_memory_utilization is set; on a GPU without it or
+    kv_blocks, the default cache cut to what DEFAULT_MEMORY_SHARE of the memory leaves (when
+    it does not fit there; `_check_memory` says why when not even that works)."""
+    if config.gpu_memory_utilization is not None:
+      return dataclasses.replace(config, kv_blocks=self._blocks_for(model, config, limit))
+    if config.kv_blocks is not None or not on_gpu():
       return config
+    share = dataclasses.replace(config, gpu_memory_utilization=DEFAULT_MEMORY_SHARE)
+    try:
+      fit = self._blocks_for(model, share, limit)
+    except ValueError:
+      return config
+    return config if fit >= config.num_blocks else dataclasses.replace(config, kv_blocks=fit)
+
+  def _blocks_for(self, model: DecoderConfig, config: EngineConfig, limit: int | None) -> int:
+    """`blocks_for_memory` of the device (`limit`, else what the GPU reports, less what is in
+    use) at config.gpu_memory_utilization."""
     device = jax.local_devices()[0]
     memory = limit if limit is not None else (_device_memory_bytes(device) if on_gpu() else None)
     if memory is None:
@@ -241,8 +256,7 @@ class Engine:
                        f"kv_blocks or memory_limit_bytes")
     stats = (device.memory_stats() or {}) if limit is None else {}
     in_use = int(stats.get("bytes_in_use", 0))
-    return dataclasses.replace(config, kv_blocks=blocks_for_memory(
-        model, config, self.dtype, memory, in_use))
+    return blocks_for_memory(model, config, self.dtype, memory, in_use)
 
   def _check_memory(self, limit: int | None) -> None:
     config, engine = self.model_config, self.config
@@ -285,7 +299,7 @@ class Engine:
 
     By default the executables that `generate`, `stream` and `submit` use: a step per token
     bucket (`EngineConfig.token_buckets`: decode rows and prompt chunks together), the draw of
-    a step's sampling rows per step row count, and the paged cache
+    a step's sampling rows per logit row count (`EngineConfig.logit_rows`), and the paged cache
     (`executable_keys()` lists them); `phases=cg_jax.core.executables.PHASES`
     adds the log-probability and static-path ones. Narrow it to the buckets you will use
     (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start

@@ -82,11 +82,40 @@ def test_token_buckets_start_where_padding_tokens_stop_being_free():
 
 
 def test_default_gpu_engine_compiles_at_most_16_executables(monkeypatch):
-  # The serving executables of the GPU defaults (no compile).
+  # The serving executables of the GPU defaults (no compile): up to 256 requests at once.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   engine = Engine(preset("tiny-llama"), None, dtype="float32", max_seq_len=512)
+  assert engine.config.max_num_seqs == 256
   assert engine.config.token_buckets == (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-  assert len(engine.executable_keys()) <= 16, engine.executable_keys()
+  keys = engine.executable_keys()
+  assert len(keys) <= 16, keys
+  # The 8- and 16-token steps share their logits' draw; steps of 64 decode rows and more, and
+  # every step with prompt tokens, run their GEMMs on the prefill backend (cuBLAS).
+  assert sorted(key[1] for key in keys if key[0] == "draw") == [16, 32, 64, 128, 256]
+  assert [key[1] for key in keys if engine.executables.prefills(key)] == [
+      64, 128, 256, 512, 1024, 2048]
+  # A CPU engine runs 32 at most unless told.
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  assert EngineConfig.create(preset("tiny-llama"), max_seq_len=512).max_num_seqs == 32
+  assert EngineConfig.create(preset("tiny-llama"), batch_buckets=(1, 4)).max_num_seqs == 4
+
+
+def test_default_gpu_cache_is_cut_to_the_memory_share(monkeypatch):
+  """A GPU engine's default cache holds a full block table per running request unless that
+  (with the weights) passes DEFAULT_MEMORY_SHARE of the device: then it is what the share
+  leaves, and requests wait for blocks; given kv_blocks stay."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  model = preset("tiny-llama")
+  roomy = Engine(model, None, dtype="float32", max_seq_len=512, memory_limit_bytes=1 << 40)
+  assert roomy.config.kv_blocks is None
+  full = roomy.config.num_blocks
+  memory = int(1.15 * 2**30)  # (the activation reserve, 1 GiB, leaves about half the cache)
+  cut = Engine(model, None, dtype="float32", max_seq_len=512, memory_limit_bytes=memory)
+  share = dataclasses.replace(cut.config, kv_blocks=None, gpu_memory_utilization=0.9)
+  assert cut.config.kv_blocks == blocks_for_memory(model, share, jnp.float32, memory) < full
+  given = Engine(model, None, dtype="float32", max_seq_len=512, memory_limit_bytes=memory,
+                 kv_blocks=100)
+  assert given.config.kv_blocks == 100
 
 
 def test_token_buckets_option():
@@ -357,7 +386,7 @@ def test_step_state_keeps_its_device_buffers(engine):
     assert _aliased_inputs(engine, ("step", size)) == {
         weights: 3, weights + 1: 4, weights + 2: 0, weights + 3: 5}, size
   assert _aliased_inputs(engine, ("load",)) == {0: 0}
-  rows = engine.config.rows(engine.config.token_buckets[0])
+  rows = engine.config.logit_rows(engine.config.token_buckets[0])
   sampling = len(jax.tree.leaves(SamplingArrays.spec(rows)))
   # draw(logits, staged, sampling, carry) -> (carry, tokens): the carry in place
   assert _aliased_inputs(engine, ("draw", rows)) == {2 + sampling: 0}
@@ -452,7 +481,7 @@ def test_priming_runs_the_steps_and_writes_no_block(engine):
   assert {key: ran[key] for key in steps} == {key: runs * (key in primed) for key in steps}
   assert ran[("load",)] == runs * len(primed)  # each step's empty rows, staged
   assert {key for key in ran if key[0] == "draw"} == {
-      ("draw", engine.config.rows(key[1])) for key in primed}
+      ("draw", engine.config.logit_rows(key[1])) for key in primed}
   assert compile_stats.compile_count() == compiles
 
 

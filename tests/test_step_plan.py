@@ -68,16 +68,17 @@ def _decoding(length, launched=1, **fields):
 
 def test_a_lone_short_prompt_takes_the_smallest_token_bucket():
   running = [Request([5, 6, 7, 8, 9])]
-  assert _planner().step(running) == StepPlan(tokens=8, rows=8, requests=(0,), starts=(0,),
-                                              counts=(5,), decodes=0, done=(0,))
+  assert _planner().step(running) == StepPlan(tokens=8, rows=8, logit_rows=8, requests=(0,),
+                                              starts=(0,), counts=(5,), decodes=0, done=(0,))
 
 
 def test_waiting_prompts_share_one_step_unpadded_up_to_the_token_budget():
   running = [Request([1] * 5), Request([2] * 12), Request([3] * 3, settings=SAMPLED)]
   step = _planner().step(running)
   # 20 tokens end to end: the 32-token bucket, no prompt padded to a bucket of its own.
-  assert step == StepPlan(tokens=32, rows=8, requests=(0, 1, 2), starts=(0, 0, 0),
-                          counts=(5, 12, 3), decodes=0, done=(0, 1, 2), sample=True)
+  assert step == StepPlan(tokens=32, rows=8, logit_rows=8, requests=(0, 1, 2),
+                          starts=(0, 0, 0), counts=(5, 12, 3), decodes=0, done=(0, 1, 2),
+                          sample=True)
   assert step.keys == (("step", 32), ("draw", 8))
   # A budget of 16 tokens: the second prompt's first 11 tokens, the third waits.
   step = _planner(token_buckets=(8, 16)).step(running)
@@ -91,13 +92,30 @@ def test_decode_rows_come_first_one_token_each_and_prompts_fill_the_rest():
   running = [_decoding(4), Request([1] * 3), Request([2] * 3), _decoding(5, launched=2),
              Request([3] * 3)]
   step = _planner().step(running)
-  assert step == StepPlan(tokens=16, rows=8, requests=(0, 3, 1, 2, 4), starts=(4, 6, 0, 0, 0),
-                          counts=(1, 1, 3, 3, 3), decodes=2, done=(2, 3, 4))
+  assert step == StepPlan(tokens=16, rows=8, logit_rows=8, requests=(0, 3, 1, 2, 4),
+                          starts=(4, 6, 0, 0, 0), counts=(1, 1, 3, 3, 3), decodes=2,
+                          done=(2, 3, 4))
   assert step.emitting == (0, 1, 2, 3, 4)
   # Decode-only steps take the smallest bucket holding their rows: a step of rows.
   running = [_decoding(4), _decoding(9)]
-  assert _planner().step(running) == StepPlan(8, 8, (0, 1), (4, 9), (1, 1), 2, ())
+  assert _planner().step(running) == StepPlan(8, 8, 8, (0, 1), (4, 9), (1, 1), 2, ())
   assert _planner(max_batch=4).step(running).rows == 4
+
+
+def test_small_steps_share_the_logit_rows_of_one_draw_executable():
+  # Up to 256 rows: steps of 8 and 16 tokens pad their logits to 16 rows, larger ones have as
+  # many as rows, so a sampling row's draw has one executable per logit row count.
+  planner = _planner(max_batch=256, token_buckets=(8, 16, 32, 64, 128, 256, 512), blocks=512)
+  config = planner.config
+  assert [config.logit_rows(t) for t in config.token_buckets] == [16, 16, 32, 64, 128, 256, 256]
+  lone = planner.step([Request([1] * 3, settings=SAMPLED)])
+  assert (lone.tokens, lone.rows, lone.logit_rows) == (8, 8, 16)
+  assert lone.keys == (("step", 8), ("draw", 16))
+  many = planner.step([_decoding(4, settings=SAMPLED) for _ in range(40)])
+  assert (many.tokens, many.rows, many.logit_rows) == (64, 64, 64)
+  assert many.keys == (("step", 64), ("draw", 64))
+  # Fewer rows than MIN_LOGIT_ROWS in all: the logits have them all.
+  assert _planner(max_batch=4).config.logit_rows(8) == 4
 
 
 def test_a_long_prompt_is_chunked_beside_the_decode_rows():
@@ -109,19 +127,19 @@ def test_a_long_prompt_is_chunked_beside_the_decode_rows():
     _run(step, running)
     plans.append(step)
   # Each step: the decode row, then 15 prompt tokens while the budget of 16 lasts.
-  assert plans == [StepPlan(16, 8, (0, 1), (4, 0), (1, 15), 1, ()),
-                   StepPlan(16, 8, (0, 1), (5, 15), (1, 15), 1, ()),
-                   StepPlan(16, 8, (0, 1), (6, 30), (1, 10), 1, (1,)),
-                   StepPlan(8, 8, (0, 1), (7, 40), (1, 1), 2, ())]
+  assert plans == [StepPlan(16, 8, 8, (0, 1), (4, 0), (1, 15), 1, ()),
+                   StepPlan(16, 8, 8, (0, 1), (5, 15), (1, 15), 1, ()),
+                   StepPlan(16, 8, 8, (0, 1), (6, 30), (1, 10), 1, (1,)),
+                   StepPlan(8, 8, 8, (0, 1), (7, 40), (1, 1), 2, ())]
 
 
 def test_started_prompts_take_their_chunks_before_new_prompts_start():
   running = [Request([1] * 30, prefilled=16), Request([2] * 5), Request([3] * 20, prefilled=8)]
-  assert _planner().step(running) == StepPlan(tokens=32, rows=8, requests=(0, 2, 1),
-                                              starts=(16, 8, 0), counts=(14, 12, 5), decodes=0,
-                                              done=(0, 1, 2))
+  assert _planner().step(running) == StepPlan(tokens=32, rows=8, logit_rows=8,
+                                              requests=(0, 2, 1), starts=(16, 8, 0),
+                                              counts=(14, 12, 5), decodes=0, done=(0, 1, 2))
   # With 16 tokens the first started prompt takes 14, the second the last 2.
-  assert _planner(token_buckets=(16,)).step(running) == StepPlan(16, 8, (0, 2), (16, 8),
+  assert _planner(token_buckets=(16,)).step(running) == StepPlan(16, 8, 8, (0, 2), (16, 8),
                                                                  (14, 2), 0, (0,))
 
 
@@ -171,8 +189,8 @@ def test_a_prefix_hit_shares_the_cached_blocks_and_skips_their_tokens():
   # The same three blocks (no copy), then fresh ones for the rest of its life (20 tokens).
   assert hit.blocks[:3] == admission.blocks[:3] and hit.cached == 12 and len(hit.blocks) == 5
   second.blocks, second.prefilled = list(hit.blocks), hit.cached
-  assert planner.step([second]) == StepPlan(tokens=8, rows=8, requests=(0,), starts=(12,),
-                                            counts=(4,), decodes=0, done=(0,))
+  assert planner.step([second]) == StepPlan(tokens=8, rows=8, logit_rows=8, requests=(0,),
+                                            starts=(12,), counts=(4,), decodes=0, done=(0,))
   assert planner.pool.stats()["prefix_cache_hits"] == 1
   # With the prefix cache off, nothing is shared.
   off = _planner()
@@ -200,10 +218,10 @@ def test_batch_invariant_plans_one_prompt_chunk_per_step_beside_the_decode_rows(
     steps.append(step)
     _run(step, running)
   # One prompt's whole chunk per step, in steps of the one bucket, decode rows first.
-  assert steps == [StepPlan(12, 4, (0,), (8,), (8,), 0, ()),
-                   StepPlan(12, 4, (0,), (16,), (3,), 0, (0,)),
-                   StepPlan(12, 4, (0, 1), (19, 0), (1, 5), 1, (1,)),
-                   StepPlan(12, 4, (0, 1), (20, 5), (1, 1), 2, ())]
+  assert steps == [StepPlan(12, 4, 4, (0,), (8,), (8,), 0, ()),
+                   StepPlan(12, 4, 4, (0,), (16,), (3,), 0, (0,)),
+                   StepPlan(12, 4, 4, (0, 1), (19, 0), (1, 5), 1, (1,)),
+                   StepPlan(12, 4, 4, (0, 1), (20, 5), (1, 1), 2, ())]
 
 
 def test_emitting_rows_that_ask_for_logprobs_score_their_tokens():

@@ -24,6 +24,7 @@ from cg_jax.core import graphs as graph_modes
 from cg_jax.core.buckets import DEFAULT_BATCH_BUCKETS, Buckets, powers_of_two
 from cg_jax.core.sharding import check_tensor_parallel
 from cg_jax.core.step_inputs import StepLayout
+from cg_jax.core.step_plan import logit_rows
 from cg_jax.kernels.flash_attention import FlashAttentionConfig
 from models.config import DecoderConfig
 from models.decoder import LAYER_LOOPS, cache_bytes
@@ -41,6 +42,10 @@ PREFILL_GEMMS: dict[str, dict[str, Any]] = {
     "xla": {},
     "cublas": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0},
 }
+# Steps of at least this many tokens take the prefill GEMM backend even when every token is a
+# decode row (max_num_seqs at least this): products of that many rows are cuBLAS's ground, and
+# autotuning Triton GEMMs for them is start-up time.
+PREFILL_GEMM_TOKENS = 64
 MAX_MATMUL_ROWS = 64
 # The prompt chunk of `batch_invariant` engines unless prompt_buckets names one.
 INVARIANT_CHUNK = 256
@@ -50,6 +55,12 @@ DEFAULT_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
 MAX_STEP_TOKENS = 1 << 16
 # The most requests one engine runs at once (`max_num_seqs`) may be.
 MAX_NUM_SEQS = 4096
+# max_num_seqs unless given (or batch_buckets are), on a GPU and elsewhere.
+DEFAULT_NUM_SEQS = {"gpu": 256, "cpu": 32}
+# The share of a GPU's memory the default KV cache (a full block table per running request)
+# may take beside the weights and the activation reserve: a larger one is cut to what it
+# leaves (`blocks_for_memory`), and requests wait for blocks.
+DEFAULT_MEMORY_SHARE = 0.9
 # The smallest token bucket of an engine step (a decode step of up to that many rows), by
 # attention backend: the Pallas kernel's, 8 (decode steps run their products on at least
 # min_matmul_rows rows anyway); XLA's (the CPU default), 1: it attends for every token of the
@@ -156,7 +167,8 @@ class EngineConfig:
     `create` turns it on). With `kv_blocks` set, any block no request holds keeps its prefix
     until it is needed, and only 0 versus not 0 matters.
   kv_blocks: N, the paged cache's blocks (at least one max_seq_len sequence's); None: a full
-    block table per row of the largest batch bucket plus the prefix cache's.
+    block table per running request (max_num_seqs) plus the prefix cache's, which `Engine` on
+    a GPU cuts to what DEFAULT_MEMORY_SHARE of the device leaves.
   gpu_memory_utilization: None, or the share of the device's memory the engine asks for (it
     must be free), in (0, 1]: `Engine` then sets kv_blocks to what the weights and the
     activation reserve leave of it (`blocks_for_memory`). Off by default: a cache that fills
@@ -308,8 +320,9 @@ class EngineConfig:
              batch_invariant: bool = False, token_buckets: Sequence[int] | None = None,
              **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
-    min(model context, DEFAULT_MAX_SEQ_LEN); max_num_seqs the largest batch bucket (batch
-    buckets DEFAULT_BATCH_BUCKETS, those up to max_num_seqs when only it is given); prompt
+    min(model context, DEFAULT_MAX_SEQ_LEN); max_num_seqs the platform's DEFAULT_NUM_SEQS, or
+    the largest batch bucket when they are given (batch buckets DEFAULT_BATCH_BUCKETS, those up
+    to max_num_seqs); prompt
     buckets powers of two from 16 below max_seq_len; a prefix cache of 4 x max_seq_len tokens;
     KV blocks of 64 tokens with the Pallas kernel, else of min(16, max_seq_len - 1), as many as
     `num_blocks` says unless kv_blocks or gpu_memory_utilization is given; steps of up to
@@ -334,13 +347,15 @@ class EngineConfig:
     if compiler_options is not None and not isinstance(compiler_options, Mapping):
       raise TypeError(f"compiler_options must be a mapping of XLA option names to values, got "
                       f"{compiler_options!r}")
+    given_buckets = batch_buckets
     if batch_buckets is None:
       batch_buckets = DEFAULT_BATCH_BUCKETS
       if _is_int(max_num_seqs) and max_num_seqs >= 1:  # (else the tree's own check says why)
         batch_buckets = tuple(b for b in batch_buckets if b <= max_num_seqs) or (max_num_seqs,)
     buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets or ()))
     if max_num_seqs is None:
-      max_num_seqs = buckets.max_batch
+      max_num_seqs = (DEFAULT_NUM_SEQS["gpu" if on_gpu() else "cpu"] if given_buckets is None
+                      else buckets.max_batch)
     if token_buckets is not None:
       if batch_invariant is True:
         raise ValueError(f"token_buckets={token_buckets!r} has no effect with "
@@ -397,8 +412,12 @@ class EngineConfig:
     return self.max_num_seqs
 
   def rows(self, tokens: int) -> int:
-    """R: the rows of a step of `tokens` tokens (its block tables and logits)."""
+    """R: the rows of a step of `tokens` tokens (its block tables)."""
     return min(tokens, self.step_rows)
+
+  def logit_rows(self, tokens: int) -> int:
+    """L: the rows of a step's logits, and of the "draw" executable that reads them."""
+    return logit_rows(self.rows(tokens), self.step_rows)
 
   @property
   def step_layout(self) -> StepLayout:

@@ -7,9 +7,10 @@ Keys (plain tuples, as `keys()` lists them):
   ("step", tokens)                one engine step: decode rows and prompt chunks of up to
                                   `rows(tokens)` requests in a flat batch of `tokens` (a token
                                   bucket), each at its cache offset over its block table
-  ("draw", rows)                  the tokens of a step of `rows` rows with a sampling row, drawn
-                                  from its logits
-  ("token_logprobs", rows)        the scores of the tokens a step of `rows` rows chose
+  ("draw", rows)                  the tokens of a step with a sampling row, drawn from its
+                                  logits of `rows` rows (`EngineConfig.logit_rows`)
+  ("token_logprobs", rows)        the scores of the tokens a step chose, from its logits of
+                                  `rows` rows
   ("score", length)               the log-probability of each token of a prompt (`echo`)
   ("prefill", batch, length)      prompts of a (batch, prompt-length) bucket (the static path)
   ("first", batch, greedy)        the static path's first token from its prompt logits (greedy
@@ -21,9 +22,9 @@ Every executable that reads or writes the cache takes the block tables of its ro
 requests with log-probabilities, "logprobs" (token_logprobs, score: compiled on first use unless
 warmed up); the static "prefill" and "first" serve benchmarks. A key is built once: `get` of a
 key that a warm-up is building (a server's, while it serves) waits for that build.
-The prefill executables (`prefills`: steps of more tokens than rows, "score", "prefill")
-compile with `EngineConfig.prefill_xla_options` (their GEMM backend), the others (decode-sized
-steps among them) with `EngineConfig.xla_options`.
+The prefill executables (`prefills`: steps of more tokens than rows or of PREFILL_GEMM_TOKENS
+tokens or more, "score", "prefill") compile with `EngineConfig.prefill_xla_options` (their GEMM
+backend), the others (decode steps of fewer rows) with `EngineConfig.xla_options`.
 Every executable takes its inputs on the device (or the tensor-parallel mesh). The outputs the
 host reads (new tokens, scores) are written to pinned host memory by the executable itself: a
 device output would cost a transfer of its own after it is ready, on the time to first token
@@ -62,7 +63,7 @@ from tqdm.auto import tqdm
 
 import models
 from cg_jax.core import compile_stats, host_io
-from cg_jax.core.config import EngineConfig
+from cg_jax.core.config import PREFILL_GEMM_TOKENS, EngineConfig
 from cg_jax.core.sampling import SamplingArrays
 from cg_jax.core.sharding import TensorParallel
 from cg_jax.core.steps import StepFunctions
@@ -115,7 +116,7 @@ class ExecutableTable:
         raise ValueError(f"{name} {odd} are not buckets of this engine; allowed {allowed}")
     keys: list[tuple] = [("cache",)]
     steps = self.config.token_buckets
-    rows = sorted({self.config.rows(tokens) for tokens in steps})
+    rows = sorted({self.config.logit_rows(tokens) for tokens in steps})
     if "step" in phases:
       # Steps pick greedily; a step with a sampling row draws from its logits.
       keys += [("load",)] + [("step", tokens) for tokens in steps] + [("draw", r) for r in rows]
@@ -136,10 +137,11 @@ class ExecutableTable:
     return (*self.config.buckets.prompt_lengths, self.config.max_seq_len)
 
   def prefills(self, key: tuple) -> bool:
-    """Whether a key's executable runs prompts (more tokens than rows: its GEMMs are the
-    prefill GEMM backend's)."""
-    return key[0] in ("score", "prefill") or (
-        key[0] == "step" and key[1] > self.config.rows(key[1]))
+    """Whether a key's executable takes the prefill GEMM backend: it runs prompts (more tokens
+    than rows), or its GEMMs have PREFILL_GEMM_TOKENS rows or more (a step of that many decode
+    rows)."""
+    return key[0] in ("score", "prefill") or (key[0] == "step" and (
+        key[1] > self.config.rows(key[1]) or key[1] >= PREFILL_GEMM_TOKENS))
 
   def cache_spec(self) -> KVCache:
     """The paged cache: [L, N + 1, C, K, H] per key and value (N blocks and the scratch one)."""
@@ -372,7 +374,7 @@ class ExecutableTable:
     steps, runs = self.priming(keys)
     for key in steps:
       tokens, rows = key[1], c.rows(key[1])
-      draw = ("draw", rows)
+      draw = ("draw", c.logit_rows(tokens))
       empty = c.step_layout.pack(i32((tokens,)), i32((tokens,), -1),
                                  i32((rows, c.table_width), c.scratch_block), i32((rows + 1,)),
                                  i32((rows,)), i32((rows,)))
@@ -381,7 +383,7 @@ class ExecutableTable:
         carry, _, logits, cache, staged = self.get(key)(weights, cache, i32((c.step_rows,)),
                                                         staged)
         if draw in keys and draw not in primed:
-          greedy = SamplingArrays.host(rows, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+          greedy = SamplingArrays.host(draw[1], temperature=0.0, top_k=0, top_p=1.0, seed=0,
                                        rows=i32((0,)))
           self.get(draw)(logits, staged, greedy, carry)
       primed.add(draw)

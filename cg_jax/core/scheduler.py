@@ -337,7 +337,7 @@ class Scheduler:
     else:
       inputs = self._inputs(plan, group)
       self._load(inputs)
-      sampling = self._sampling(rows, plan.rows) if plan.sample else None
+      sampling = self._sampling(rows, plan.logit_rows) if plan.sample else None
     carry, emitted, logits, cache, self._staged = self.table.get(plan.key)(
         self.weights, self.cache.get(), carry, self._staged)
     self.cache.set(cache)
@@ -354,11 +354,11 @@ class Scheduler:
     self._decoding = (plan.key, group, sampling) if reusable else None
     if plan.sample:
       # [U]: the emitting rows' tokens drawn at their sequences' lengths.
-      carry, emitted = self.table.get(("draw", plan.rows))(logits, self._staged, sampling,
-                                                           carry)
+      carry, emitted = self.table.get(("draw", plan.logit_rows))(logits, self._staged,
+                                                                 sampling, carry)
     scores = None
     if plan.scored:
-      scores = self.table.get(("token_logprobs", plan.rows))(logits, carry)
+      scores = self.table.get(("token_logprobs", plan.logit_rows))(logits, carry)
     self._carry = carry
     self._steps += 1
     self.counters["steps"] += 1

@@ -37,6 +37,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # (an annotation only: this module imports nothing of cg_jax when it runs)
   from cg_jax.core.block_pool import BlockPool
 
+# The fewest rows of a step's logits (and of the "draw" and "token_logprobs" executables that
+# read them): steps of fewer rows pad their logits to it, so that the small token buckets share
+# one draw executable (the sampling rows' draw over 16 rows, not 8, is the cost).
+MIN_LOGIT_ROWS = 16
+
+
+def logit_rows(rows: int, step_rows: int) -> int:
+  """The rows of the logits of a step of `rows` rows (of `step_rows` at most): at least
+  MIN_LOGIT_ROWS (or step_rows, if fewer)."""
+  return max(rows, min(MIN_LOGIT_ROWS, step_rows))
+
 
 class Scheduled(Protocol):
   """The request state the planner reads (the scheduler's `_Live`)."""
@@ -104,6 +115,10 @@ class PlanConfig:
     """R: the rows of a step of `tokens` tokens (a bucket): min(tokens, max_num_seqs)."""
     return min(tokens, self.max_num_seqs)
 
+  def logit_rows(self, tokens: int) -> int:
+    """L: the rows of the logits of a step of `tokens` tokens (`step_inputs.logit_rows`)."""
+    return logit_rows(self.rows(tokens), self.max_num_seqs)
+
   def blocks_needed(self, request: "Scheduled") -> int:
     """Blocks of a request's whole life: its prompt and max_new_tokens, within max_seq_len."""
     tokens = min(len(request.prompt) + request.max_new_tokens, self.max_seq_len)
@@ -123,16 +138,17 @@ class Admission:
 class StepPlan:
   """One engine step: row i is the request `running[i]` (`requests[i]` indexes the running
   list), taking counts[i] tokens from its position starts[i]; the rows' tokens lie end to end
-  in row order, padded to `tokens` (a token bucket); the step's block tables and logits have
-  `rows` rows (`PlanConfig.rows`). The first `decodes` rows are decode rows (one token: the
-  request's last, fed back); the others take prompt chunks. `done` are the rows whose chunk
-  completes their prompt; decode rows and `done` rows emit a token. `sample`: an emitting row
-  samples (its token is drawn by ("draw", rows) from the step's logits); `scored`: an emitting
-  row asks for log-probabilities (("token_logprobs", rows)).
+  in row order, padded to `tokens` (a token bucket); the step's block tables have `rows` rows
+  (`PlanConfig.rows`), its logits `logit_rows`. The first `decodes` rows are decode rows (one
+  token: the request's last, fed back); the others take prompt chunks. `done` are the rows
+  whose chunk completes their prompt; decode rows and `done` rows emit a token. `sample`: an
+  emitting row samples (its token is drawn by ("draw", logit_rows) from the step's logits);
+  `scored`: an emitting row asks for log-probabilities (("token_logprobs", logit_rows)).
   """
 
   tokens: int
   rows: int
+  logit_rows: int
   requests: tuple[int, ...]
   starts: tuple[int, ...]
   counts: tuple[int, ...]
@@ -153,8 +169,8 @@ class StepPlan:
   @property
   def keys(self) -> tuple[tuple, ...]:
     """Every executable the step runs, in order."""
-    return (self.key, *([("draw", self.rows)] if self.sample else []),
-            *([("token_logprobs", self.rows)] if self.scored else []))
+    return (self.key, *([("draw", self.logit_rows)] if self.sample else []),
+            *([("token_logprobs", self.logit_rows)] if self.scored else []))
 
 
 class Planner:
@@ -243,6 +259,7 @@ class Planner:
                  if starts[row] + counts[row] == len(running[requests[row]].prompt))
     emitting = [running[requests[row]] for row in (*range(len(decodes)), *done)]
     tokens = c.token_bucket(sum(counts))
-    return StepPlan(tokens, c.rows(tokens), tuple(requests), tuple(starts), tuple(counts),
-                    len(decodes), done, sample=not all(x.settings.greedy for x in emitting),
+    return StepPlan(tokens, c.rows(tokens), c.logit_rows(tokens), tuple(requests), tuple(starts),
+                    tuple(counts), len(decodes), done,
+                    sample=not all(x.settings.greedy for x in emitting),
                     scored=any(x.logprobs is not None for x in emitting))

@@ -48,6 +48,7 @@ from cg_jax.core.attention import PagedAttention, RaggedAttention
 from cg_jax.core.config import ForwardConfig
 from cg_jax.core.sampling import SamplingArrays, select_tokens, token_scores
 from cg_jax.core.step_inputs import StepLayout
+from cg_jax.core.step_plan import logit_rows
 from cg_jax.core.weights import SplitModel
 from cg_jax.kernels.ragged_paged_attention import token_positions
 from models.decoder import KVCache
@@ -102,10 +103,11 @@ class StepFunctions:
     return select_tokens(logits, positions, sampling)
 
   def draw(self, logits, staged, sampling: SamplingArrays, carry):
-    """The tokens of a step with a sampling row: drawn from its logits [R, V], row r's at
+    """The tokens of a step with a sampling row: drawn from its logits [L, V], row r's at
     position seq_lens[r] - 1 (the lengths the step left in the staged buffer [I]: its next;
-    greedy rows pick the greedy token), padded to the carry's rows like `step`'s. The step's
-    carry [U] is donated and overwritten: the next step reads the same buffer."""
+    greedy rows, padding rows among them, pick the greedy token), padded to the carry's rows
+    like `step`'s. The step's carry [U] is donated and overwritten: the next step reads the
+    same buffer."""
     del carry  # (its buffer holds the result)
     rows = logits.shape[0]
     tokens = select_tokens(logits, staged[:rows] - 1, sampling)
@@ -133,7 +135,8 @@ class StepFunctions:
     Token i is carry[feed[i]] where feed[i] >= 0 (a decode row's last token, picked by the
     step before: carry [U] is its output), else tokens[i].
     Returns (each request's greedy token after its last query token, padded to [U]: the next
-    step's carry; the same tokens for the host; the logits [R, V] they were picked from; the
+    step's carry; the same tokens for the host; the logits they were picked from, padded with
+    zero rows to [L, V] (`step_plan.logit_rows`); the
     cache; the staged buffer with seq_lens one longer in each row that took a token: the next
     decode step's, when the same rows decode again)."""
     model = self.split.merge(weights)
@@ -156,6 +159,8 @@ class StepFunctions:
     last = jnp.clip(query_starts[:-1] + query_lens - 1, 0, size - 1)
     logits = self._head(model, hidden[0, last])
     picked = _pad_rows(select_tokens(logits, seq_lens, None), self.carry_rows)
+    # [R, V] -> [L, V]: the draw executable of L rows reads them (padding rows: zeros)
+    logits = _pad_rows(logits, logit_rows(rows, self.carry_rows))
     # [I]: the lengths after one more token per row that took one, then the rest as it was (the
     # output aliases the donated input)
     staged = jnp.concatenate([seq_lens + (query_lens > 0), staged[rows:]])
@@ -174,5 +179,7 @@ class StepFunctions:
 
 
 def _pad_rows(x, rows: int, value=0):
-  """[B] -> [rows] (B <= rows), padded with `value`."""
-  return x if x.shape[0] == rows else jnp.pad(x, (0, rows - x.shape[0]), constant_values=value)
+  """[B, ...] -> [rows, ...] (B <= rows), padded with `value`."""
+  if x.shape[0] == rows:
+    return x
+  return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
