@@ -89,9 +89,9 @@ def test_default_gpu_engine_compiles_at_most_16_executables(monkeypatch):
   assert engine.config.token_buckets == (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
   keys = engine.executable_keys()
   assert len(keys) <= 16, keys
-  # The 8- and 16-token steps share their logits' draw; steps of 64 decode rows and more, and
-  # every step with prompt tokens, run their GEMMs on the prefill backend (cuBLAS).
-  assert sorted(key[1] for key in keys if key[0] == "draw") == [16, 32, 64, 128, 256]
+  # The 64- and 128-token steps share their logits' draw; steps of 64 decode rows and more,
+  # and every step with prompt tokens, run their GEMMs on the prefill backend (cuBLAS).
+  assert sorted(key[1] for key in keys if key[0] == "draw") == [8, 16, 32, 128, 256]
   assert [key[1] for key in keys if engine.executables.prefills(key)] == [
       64, 128, 256, 512, 1024, 2048]
   # A CPU engine runs 32 at most unless told.

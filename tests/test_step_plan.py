@@ -102,20 +102,20 @@ def test_decode_rows_come_first_one_token_each_and_prompts_fill_the_rest():
   assert _planner(max_batch=4).step(running).rows == 4
 
 
-def test_small_steps_share_the_logit_rows_of_one_draw_executable():
-  # Up to 256 rows: steps of 8 and 16 tokens pad their logits to 16 rows, larger ones have as
-  # many as rows, so a sampling row's draw has one executable per logit row count.
+def test_steps_of_64_and_128_rows_share_the_logit_rows_of_one_draw_executable():
+  # Up to 256 rows: steps of up to 32 rows have logits of their rows, the 64-row step pads its
+  # logits to 128 rows: a sampling row's draw has one executable per logit row count.
   planner = _planner(max_batch=256, token_buckets=(8, 16, 32, 64, 128, 256, 512), blocks=512)
   config = planner.config
-  assert [config.logit_rows(t) for t in config.token_buckets] == [16, 16, 32, 64, 128, 256, 256]
+  assert [config.logit_rows(t) for t in config.token_buckets] == [8, 16, 32, 128, 128, 256, 256]
   lone = planner.step([Request([1] * 3, settings=SAMPLED)])
-  assert (lone.tokens, lone.rows, lone.logit_rows) == (8, 8, 16)
-  assert lone.keys == (("step", 8), ("draw", 16))
+  assert (lone.tokens, lone.rows, lone.logit_rows) == (8, 8, 8)
+  assert lone.keys == (("step", 8), ("draw", 8))
   many = planner.step([_decoding(4, settings=SAMPLED) for _ in range(40)])
-  assert (many.tokens, many.rows, many.logit_rows) == (64, 64, 64)
-  assert many.keys == (("step", 64), ("draw", 64))
-  # Fewer rows than MIN_LOGIT_ROWS in all: the logits have them all.
-  assert _planner(max_batch=4).config.logit_rows(8) == 4
+  assert (many.tokens, many.rows, many.logit_rows) == (64, 64, 128)
+  assert many.keys == (("step", 64), ("draw", 128))
+  # At most max_num_seqs rows.
+  assert _planner(max_batch=64, token_buckets=(8, 64)).config.logit_rows(64) == 64
 
 
 def test_a_long_prompt_is_chunked_beside_the_decode_rows():

@@ -416,7 +416,7 @@ class EngineConfig:
     return min(tokens, self.step_rows)
 
   def logit_rows(self, tokens: int) -> int:
-    """L: the rows of a step's logits, and of the "draw" executable that reads them."""
+    """Y: the rows of a step's logits, and of the "draw" executable that reads them."""
     return logit_rows(self.rows(tokens), self.step_rows)
 
   @property

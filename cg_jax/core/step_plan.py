@@ -37,16 +37,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # (an annotation only: this module imports nothing of cg_jax when it runs)
   from cg_jax.core.block_pool import BlockPool
 
-# The fewest rows of a step's logits (and of the "draw" and "token_logprobs" executables that
-# read them): steps of fewer rows pad their logits to it, so that the small token buckets share
-# one draw executable (the sampling rows' draw over 16 rows, not 8, is the cost).
-MIN_LOGIT_ROWS = 16
+# A step of more than EXACT_LOGIT_ROWS rows pads its logits (and the "draw" and
+# "token_logprobs" executables that read them have as many rows) to at least MIN_WIDE_LOGIT_ROWS
+# rows, or max_num_seqs: the 64-row step shares the 128-row one's draw executable. Below, each
+# row of a draw costs its sampled tokens (XLA sorts few long rows one by one: 8 -> 16 rows was
+# +200 us a sampled token, llama-3.2-1b on an H100, benchmarks/results/max_num_seqs_h100.md);
+# many rows it sorts by radix, where padding rows cost little.
+EXACT_LOGIT_ROWS = 32
+MIN_WIDE_LOGIT_ROWS = 128
 
 
 def logit_rows(rows: int, step_rows: int) -> int:
-  """The rows of the logits of a step of `rows` rows (of `step_rows` at most): at least
-  MIN_LOGIT_ROWS (or step_rows, if fewer)."""
-  return max(rows, min(MIN_LOGIT_ROWS, step_rows))
+  """The rows of the logits of a step of `rows` rows (of `step_rows` at most)."""
+  return rows if rows <= EXACT_LOGIT_ROWS else min(max(rows, MIN_WIDE_LOGIT_ROWS), step_rows)
 
 
 class Scheduled(Protocol):
@@ -116,7 +119,7 @@ class PlanConfig:
     return min(tokens, self.max_num_seqs)
 
   def logit_rows(self, tokens: int) -> int:
-    """L: the rows of the logits of a step of `tokens` tokens (`step_inputs.logit_rows`)."""
+    """Y: the rows of the logits of a step of `tokens` tokens (`logit_rows`)."""
     return logit_rows(self.rows(tokens), self.max_num_seqs)
 
   def blocks_needed(self, request: "Scheduled") -> int:

@@ -3,9 +3,9 @@ ahead of time per bucket (`cg_jax.core.executables`):
 
   load(staged[I], packed[I])                                  -> staged[I]
   step(weights, cache, carry[U], staged[I])
-                                    -> (carry[U], tokens[U], logits[R,V], cache, staged[I])
-  draw(logits[R,V], staged[I], sampling, carry[U])            -> (carry[U], tokens[U])
-  token_logprobs(logits[R,V], tokens[U])       -> scores[R,E]
+                                    -> (carry[U], tokens[U], logits[Y,V], cache, staged[I])
+  draw(logits[Y,V], staged[I], sampling, carry[U])            -> (carry[U], tokens[U])
+  token_logprobs(logits[Y,V], tokens[U])       -> scores[Y,E]
   prefill(weights, cache, tokens[B,S], lengths[B], tables[B,W])    -> (logits[B,V], cache)
   first_token(logits[B,V], positions[B], sampling)                 -> tokens[B]
   score(weights, tokens[1,S])                                      -> scores[S,E]
@@ -103,7 +103,7 @@ class StepFunctions:
     return select_tokens(logits, positions, sampling)
 
   def draw(self, logits, staged, sampling: SamplingArrays, carry):
-    """The tokens of a step with a sampling row: drawn from its logits [L, V], row r's at
+    """The tokens of a step with a sampling row: drawn from its logits [Y, V], row r's at
     position seq_lens[r] - 1 (the lengths the step left in the staged buffer [I]: its next;
     greedy rows, padding rows among them, pick the greedy token), padded to the carry's rows
     like `step`'s. The step's carry [U] is donated and overwritten: the next step reads the
@@ -136,7 +136,7 @@ class StepFunctions:
     step before: carry [U] is its output), else tokens[i].
     Returns (each request's greedy token after its last query token, padded to [U]: the next
     step's carry; the same tokens for the host; the logits they were picked from, padded with
-    zero rows to [L, V] (`step_plan.logit_rows`); the
+    zero rows to [Y, V] (`step_plan.logit_rows`); the
     cache; the staged buffer with seq_lens one longer in each row that took a token: the next
     decode step's, when the same rows decode again)."""
     model = self.split.merge(weights)
@@ -159,7 +159,7 @@ class StepFunctions:
     last = jnp.clip(query_starts[:-1] + query_lens - 1, 0, size - 1)
     logits = self._head(model, hidden[0, last])
     picked = _pad_rows(select_tokens(logits, seq_lens, None), self.carry_rows)
-    # [R, V] -> [L, V]: the draw executable of L rows reads them (padding rows: zeros)
+    # [R, V] -> [Y, V]: the draw executable of Y rows reads them (padding rows: zeros)
     logits = _pad_rows(logits, logit_rows(rows, self.carry_rows))
     # [I]: the lengths after one more token per row that took one, then the rest as it was (the
     # output aliases the donated input)
