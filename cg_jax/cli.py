@@ -101,8 +101,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                       help="weight and compute dtype; None = auto (bfloat16 on GPU, float32 "
                            "elsewhere)")
   parser.add_argument("--max-num-seqs", type=int, default=None,
-                      help="the most requests running at once (more wait); None = the largest "
-                           "--batch-buckets")
+                      help="the most requests running at once (more wait); None = 256 on a GPU, "
+                           "32 elsewhere (the largest --batch-buckets when given)")
   parser.add_argument("--batch-buckets", type=_int_list, default=None,
                       help="batch sizes of the static prefill executables, comma separated, "
                            "none above --max-num-seqs; None = "

@@ -29,7 +29,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) 
                       help="KV cache length (prompt + output tokens); None = the engine's "
                            "default, min(model context, 2048)")
   parser.add_argument("--max-num-seqs", type=int, default=None,
-                      help="the most requests running at once; None = the largest batch bucket")
+                      help="the most requests running at once; None = the engine's default (256 "
+                           "on a GPU, 32 elsewhere)")
   parser.add_argument("--batch-buckets", default=None,
                       help="batch sizes to compile, comma separated; None = see each benchmark")
   parser.add_argument("--prompt-buckets", default=None,
