@@ -8,7 +8,8 @@ probe only: "workers" (warm-up threads), "only" (compile just these keys, e.g. "
 added to that choice's}, to compare option sets that are not an engine option),
 "prefill_gemm_tokens" (`executables.PREFILL_GEMM_TOKENS`). Appends two
 rows to OUT.jsonl: "compile" (import, load and warm-up seconds, the process's CPU seconds during
-the warm-up, each executable's seconds) and "timing" (`profile.time_decode` at 1 to 256 rows
+the warm-up, each executable's seconds; the warm-up returns when the decode steps' stand-ins are
+ready, "final_steps_s" once their own executables replaced them) and "timing" (`profile.time_decode` at 1 to 256 rows
 (up to max_num_seqs), at position 512 (or half the cache); `generate`'s TTFT and per-token time
 for one prompt of that many tokens and 128 new (and its per-token time sampled), the last
 row's TTFT of 32 such prompts, and tokens/s of 64 and of 256 requests of 64-480 prompt tokens
@@ -95,19 +96,26 @@ def main(label: str, model: str, out: str, options: str = "{}") -> None:
     seconds = engine.executables.compile(keys, progress=False, workers=workers or 1)
   else:
     seconds = engine.warmup(progress=False, workers=workers)
+  ready = time.perf_counter() - begin
+  getattr(engine, "wait_for_final_steps", lambda: True)()  # (older trees have none)
   row = dict(label=label, model=os.path.basename(model.rstrip("/")), options=options,
              token_buckets=engine.config.token_buckets, prefill_gemm=engine.config.prefill_gemm,
              prefill_xla_options=engine.config.prefill_xla_options, workers=workers,
              max_num_seqs=engine.config.max_num_seqs, kv_blocks=engine.config.num_blocks,
              executables=len(seconds),
              import_s=round(imported, 2), load_s=round(loaded, 2),
-             warmup_wall_s=round(time.perf_counter() - begin, 2),
+             warmup_wall_s=round(ready, 2),
+             final_steps_s=round(time.perf_counter() - begin, 2),
              warmup_cpu_s=round(cpu_seconds() - cpu, 1),
              compile_s={k: round(v, 2) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])},
+             final_compile_s={"/".join(map(str, k)): round(v, 2)
+                              for k, v in engine.executables.compile_seconds.items()
+                              if "/".join(map(str, k)) not in seconds},
              device=jax.devices()[0].device_kind, jax=jax.__version__)
   with open(out, "a") as f:
     f.write(json.dumps(dict(row, kind="compile")) + "\n")
-  print(f"[{label}] load {loaded:.1f} s, warm-up {row['warmup_wall_s']} s ({row['warmup_cpu_s']} "
+  print(f"[{label}] load {loaded:.1f} s, warm-up {row['warmup_wall_s']} s (final steps "
+        f"{row['final_steps_s']} s; {row['warmup_cpu_s']} "
         f"CPU s); slowest: " + ", ".join(f"{k} {v}" for k, v in list(row["compile_s"].items())[:4]),
         flush=True)
   if only:

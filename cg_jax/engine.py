@@ -145,7 +145,8 @@ class Engine:
     store = None if compilation_cache is False else self.compilation_cache_dir
     self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)
     if compile_while_loading:
-      self.executables.compile_behind(self.executable_keys(phases=compile_while_loading))
+      self.executables.compile_behind(
+          self.executables.builds(self.executable_keys(phases=compile_while_loading)))
     # Seconds of the start's phases before warm-up (`stats()`): reading the checkpoint (when
     # `weights` is a function) and placing the weights on the device (random ones made first).
     self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": None}
@@ -173,6 +174,9 @@ class Engine:
         t, attention=steps.attention, shards=e.tensor_parallel))
     self._compiles_at_warmup: int | None = None
     self._warmup_wall_s: float | None = None
+    self._final_steps = threading.Event()  # no step runs on a stand-in (`warmup`)
+    self._final_steps.set()
+    self._final_steps_s: float | None = None
 
   # ------------------------------------------------------------------------------------------------
   # Construction
@@ -308,6 +312,13 @@ class Engine:
     Requests may run meanwhile: the compiles hold no lock (a request that needs an executable
     being built waits for that build, `ExecutableTable.get`), only the priming does.
 
+    On a GPU the decode steps not built before first run on stand-ins, the same steps on cuBLAS
+    without autotuning (`ExecutableTable.stand_in_keys`): the warm-up returns once those are
+    ready, and a background thread builds the steps on XLA's autotuned Triton GEMMs, which
+    replace them between two steps (primed first). Autotuning was most of a cold start, and
+    decodes faster (benchmarks/results/stand_ins_h100.md). `wait_for_final_steps()` waits for
+    them (steady-state measurements); a second start loads them from the store.
+
     With `progress`, a bar on stderr counts the executables to compile (none: no bar).
     `on_progress(done, total)` is called at the start and after each executable is ready (done
     of total, the ones ready before included); an exception from it stops the warm-up once the
@@ -319,10 +330,42 @@ class Engine:
     """
     start = time.perf_counter()
     keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
-    times = self._build_and_prime(keys, progress, workers, on_progress)
+    table = self.executables
+    stand_ins = table.stand_in_keys(keys)
+    times = self._build_and_prime(table.builds(keys), progress, workers, on_progress)
     self._compiles_at_warmup = compile_stats.unplanned_count()
     self._warmup_wall_s = time.perf_counter() - start
+    if stand_ins:
+      self._final_steps.clear()
+      threading.Thread(target=self._build_final_steps, args=(stand_ins, start),
+                       name="cg_jax-final-steps", daemon=True).start()
     return times
+
+  def _build_final_steps(self, keys: list[tuple], start: float) -> None:
+    """Build the steps of `keys` (running on stand-ins), prime them and retire the stand-ins;
+    stops early once the engine is closed (the stand-ins then stay)."""
+    def check(done: int, total: int) -> None:
+      if self.closed:
+        raise _Stopped()
+
+    try:
+      self._build_and_prime(keys, False, None, check)
+    except _Stopped:
+      pass
+    except Exception as error:  # noqa: BLE001 - logged; the stand-ins keep serving
+      log.warning("building the decode steps' own executables failed (%s: %s); their "
+                  "stand-ins keep serving", type(error).__name__, error)
+    else:
+      self.executables.retire_stand_ins(keys)
+      self._final_steps_s = time.perf_counter() - start
+      log.info("the decode steps run on their own executables, %.1f s after the warm-up began",
+               self._final_steps_s)
+    finally:
+      self._final_steps.set()
+
+  def wait_for_final_steps(self, timeout: float | None = None) -> bool:
+    """Wait until no step runs on a stand-in (`warmup`); False if `timeout` passed first."""
+    return self._final_steps.wait(timeout)
 
   def _build_and_prime(self, keys: list[tuple], progress: bool, workers: int | None,
                        on_progress: Callable[[int, int], None] | None) -> dict[str, float]:
@@ -370,6 +413,7 @@ class Engine:
         "executables": len(self.executables.compiled),
         "warmup_seconds": sum(self.executables.compile_seconds.values()),
         "warmup_wall_s": self._warmup_wall_s,
+        "final_steps_s": self._final_steps_s,
         **self._load_seconds,
         "compilation_cache_dir": self.compilation_cache_dir,
         "dtype": self.dtype.name,

@@ -21,7 +21,7 @@ from cg_jax.profile import identity_tables
 from cg_jax import Buckets, Engine, EngineConfig
 from cg_jax.core import compile_stats
 from cg_jax.core.config import blocks_for_memory, default_token_buckets, on_gpu
-from cg_jax.core.executables import SERVING_PHASES, ExecutableTable
+from cg_jax.core.executables import SERVING_PHASES, STAND_IN, ExecutableTable
 from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
 from models import preset
 from models.decoder import KVCache
@@ -116,6 +116,42 @@ def test_default_gpu_cache_is_cut_to_the_memory_share(monkeypatch):
   given = Engine(model, None, dtype="float32", max_seq_len=512, memory_limit_bytes=memory,
                  kv_blocks=100)
   assert given.config.kv_blocks == 100
+
+
+def test_decode_steps_start_on_stand_ins_then_run_their_own(monkeypatch):
+  """With stand-ins on (a GPU's default), the warm-up returns before the decode steps' own
+  executables are built; they replace the stand-ins once built, without a compile on the
+  request path, and the tokens stay the same (here both compile alike: a CPU)."""
+  engine = Engine(preset("tiny-llama"), None, dtype="float32", max_seq_len=64,
+                  token_buckets=(2, 8, 64), compilation_cache=False)
+  table = engine.executables
+  table.stand_ins = True
+  release, compile_ = threading.Event(), table._compile
+
+  def gated(key):  # the decode steps' own builds wait for `release`
+    if key[0] == "step" and key[-1] != STAND_IN and not table.prefills(key):
+      assert release.wait(120)
+    return compile_(key)
+
+  monkeypatch.setattr(table, "_compile", gated)
+  assert table.stand_in_keys(engine.executable_keys()) == [("step", 2), ("step", 8)]
+  engine.warmup(phases=SERVING_PHASES, progress=False)
+  assert {("step", 2, STAND_IN), ("step", 8, STAND_IN)} <= set(table.compiled)
+  assert ("step", 2) not in table.compiled and not engine.wait_for_final_steps(0.05)
+  prompts = _prompts(11, [3, 7])
+  early = engine.generate(prompts, max_new_tokens=6, eos_token_id=[])
+  release.set()
+  assert engine.wait_for_final_steps(120)
+  assert {("step", 2), ("step", 8)} <= set(table.compiled)
+  assert not [key for key in table.compiled if key[-1] == STAND_IN]
+  assert engine.generate(prompts, max_new_tokens=6, eos_token_id=[]) == early
+  assert engine.stats()["compiles_since_warmup"] == 0 and engine.stats()["final_steps_s"] > 0
+  # On a GPU by default; batch-invariant engines never (a stand-in's GEMMs round otherwise).
+  starts = ExecutableTable.starts_on_stand_ins
+  model = preset("tiny-llama")
+  assert starts(EngineConfig.create(model), "gpu") and not starts(EngineConfig.create(model), "cpu")
+  assert not starts(EngineConfig.create(model, batch_invariant=True), "gpu")
+  assert not starts(EngineConfig.create(model, prefill_gemm="xla"), "gpu")
 
 
 def test_token_buckets_option():

@@ -80,6 +80,7 @@ def _measure(args, engine: Engine, batches: list[int], prompt_len: int, output_l
   options.fits(prompt_len, output_len, max_seq_len)
   engine.warmup(batch_sizes=sorted({engine.config.buckets.batch_bucket(b) for b in batches}),
                 prompt_lengths=engine.config.buckets.prompt_lengths)
+  engine.wait_for_final_steps()  # (steady state: no step on a stand-in)
   rng = np.random.default_rng(args.seed)
   vocab = engine.model_config.vocab_size
 

@@ -182,6 +182,7 @@ def _measure(args, engine: Engine, count: int, lengths: tuple[int, int], output_
   prompts, arrivals, unmeasured = requests(count, lengths, per_s, args.seed,
                                            engine.model_config.vocab_size)
   engine.warmup()
+  engine.wait_for_final_steps()  # (steady state: no step on a stand-in)
   row_workload = workload(count, lengths, output_len, per_s, args.seed, engine.dtype.name,
                           args.client)
   if args.client == "generate":

@@ -72,6 +72,8 @@ from models.decoder import KVCache, init_cache
 
 PHASES = ("step", "logprobs", "prefill", "first")
 SERVING_PHASES = ("step",)
+# The last element of a stand-in's key: (*key, STAND_IN), see `ExecutableTable.stand_in_keys`.
+STAND_IN = "stand-in"
 
 
 class ExecutableTable:
@@ -94,6 +96,7 @@ class ExecutableTable:
     # Builds in flight, shared by `compile` and `get` (`_claim`).
     self._building: dict[tuple, concurrent.futures.Future] = {}
     self._building_lock = threading.Lock()
+    self.stand_ins = self.starts_on_stand_ins(config, jax.devices()[0].platform)
     self._store = None
     if store is not None and parallel is None:
       self._store = pathlib.Path(store) / "executables"
@@ -139,9 +142,37 @@ class ExecutableTable:
   def prefills(self, key: tuple) -> bool:
     """Whether a key's executable takes the prefill GEMM backend: it runs prompts (more tokens
     than rows), or its GEMMs have PREFILL_GEMM_TOKENS rows or more (a step of that many decode
-    rows)."""
-    return key[0] in ("score", "prefill") or (key[0] == "step" and (
+    rows), or it is a stand-in."""
+    return key[0] in ("score", "prefill") or key[-1] == STAND_IN or (key[0] == "step" and (
         key[1] > self.config.rows(key[1]) or key[1] >= PREFILL_GEMM_TOKENS))
+
+  @staticmethod
+  def starts_on_stand_ins(config: EngineConfig, platform: str) -> bool:
+    """Whether decode steps start on stand-ins (`stand_in_keys`): on a GPU, with the prefill
+    GEMMs on cuBLAS, unless batch-invariant (a stand-in's GEMMs round otherwise than the step's
+    own)."""
+    return platform == "gpu" and config.prefill_gemm == "cublas" and not config.batch_invariant
+
+  def stand_in_keys(self, keys: Sequence[tuple]) -> list[tuple]:
+    """The keys among `keys` that a warm-up builds as stand-ins first (when `stand_ins`): the
+    decode steps (XLA autotunes their Triton GEMMs: most of a cold start's compile time) that
+    are neither built nor stored. A stand-in, (*key, STAND_IN), is the same step on the prefill
+    GEMM backend (cuBLAS, not autotuned: quick to build, slower to run); `get(key)` returns it
+    until the key's own executable is built, which then replaces it."""
+    if not self.stand_ins:
+      return []
+    return [key for key in keys if key[0] == "step" and not self.prefills(key)
+            and key not in self.compiled and not ((path := self._stored(key)) and path.exists())]
+
+  def builds(self, keys: Sequence[tuple]) -> list[tuple]:
+    """What a warm-up of `keys` builds: each of `stand_in_keys(keys)` as its stand-in."""
+    stand_ins = set(self.stand_in_keys(keys))
+    return [(*key, STAND_IN) if key in stand_ins else key for key in keys]
+
+  def retire_stand_ins(self, keys: Sequence[tuple]) -> None:
+    """Drop the stand-ins of `keys` (their own executables are built)."""
+    for key in keys:
+      self.compiled.pop((*key, STAND_IN), None)
 
   def cache_spec(self) -> KVCache:
     """The paged cache: [L, N + 1, C, K, H] per key and value (N blocks and the scratch one)."""
@@ -212,10 +243,13 @@ class ExecutableTable:
                    out_shardings=outs).lower(*args)
 
   def get(self, key: tuple):
-    """The compiled executable of a key: built now if no one has, or, while a warm-up is
-    building it, once that build is done (never built twice)."""
+    """The compiled executable of a key (or its stand-in, until it is built): built now if no
+    one has, or, while a warm-up is building it, once that build is done (never built
+    twice)."""
     while True:
       exe = self.compiled.get(key)
+      if exe is None and key[0] == "step":
+        exe = self.compiled.get((*key, STAND_IN))
       if exe is not None:
         return exe
       future, mine = self._claim(key)
