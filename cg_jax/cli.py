@@ -393,9 +393,10 @@ def generate(args) -> int:
 
 
 def serve(args) -> int:
-  """Listen first (a busy --port fails before the model loads or anything compiles: 2), then
-  start the engine-core process and the front ends (`cg_jax.serving.launch`), answering while
-  the core warms up; a failed warm-up or the core's death is 1."""
+  """Listen first (a busy --port fails before the model loads or anything compiles: 2), check
+  the engine options without the device (a bad one: 2, naming its flag), then start the
+  engine-core process and the front ends (`cg_jax.serving.launch`), answering while the core
+  warms up; a failed warm-up or the core's death is 1."""
   if server is None:
     print(f"error: `serve` needs the serve extra: pip install 'cg_jax[serve]' ({SERVER_MISSING})",
           file=sys.stderr)
@@ -408,11 +409,14 @@ def serve(args) -> int:
     return 2
   try:
     server.load_chat_template(args.model)  # (a model that is not there fails here, at once)
+    engine_options = dict(prompt_buckets=args.prompt_buckets, max_waiting=args.max_waiting,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          token_buckets=args.token_buckets, **_engine_options(args))
+    # (here, not in the core process: the server must not listen, then fail its warm-up)
+    Engine.check_options(args.model, **engine_options)
     return launch.serve_model(
         args.model, sock=sock, served_model_name=args.served_model_name,
-        engine_options=dict(prompt_buckets=args.prompt_buckets, max_waiting=args.max_waiting,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            token_buckets=args.token_buckets, **_engine_options(args)),
+        engine_options=engine_options,
         api_servers=args.api_servers, request_timeout=args.request_timeout,
         graceful_timeout=args.graceful_timeout, log_level=args.log_level)
   finally:

@@ -194,6 +194,30 @@ class Engine:
     options.setdefault("tokenizer", text.load_tokenizer(directory))
     return cls(config, lambda: hf.load_checkpoint(directory, dtype)[1], dtype=dtype, **options)
 
+  @staticmethod
+  def check_options(path: str | os.PathLike, **options) -> None:
+    """ValueError or TypeError, naming the option, if `options` (`from_pretrained`'s) make no
+    engine of the model at `path` on a GPU nor on the CPU (each platform's defaults for the
+    rest), checked without touching a device or reading weights: for a launcher whose engine
+    starts in another process (`serve`). The device count is not checked."""
+    name = os.fspath(path)
+    config = (PRESETS[name] if name in PRESETS and not os.path.isdir(name)
+              else hf.config_from_hf(hf.read_config(resolve_model(name))))
+    options = dict(options)
+    dtype = options.pop("dtype", None)
+    if dtype is not None:
+      hf.numpy_dtype(dtype)
+    validation.reject_unknown("Engine()", {k: v for k, v in options.items()
+                                            if k not in OPTION_NAMES})
+    errors = []
+    for platform in ("gpu", "cpu"):
+      try:
+        EngineConfig.create(config, platform=platform, **options)
+        return
+      except (ValueError, TypeError) as error:
+        errors.append(error)
+    raise errors[0]
+
   @classmethod
   def from_state_dict(cls, hf_config: Mapping[str, Any] | DecoderConfig,
                       state_dict: Mapping[str, Any], dtype: str | None = None, **options):

@@ -511,6 +511,43 @@ def test_hub_names_and_files_get_their_own_hints(tmp_path, monkeypatch):
       "directory; pass the directory that holds config.json and model.safetensors")
 
 
+def test_serve_checks_engine_options_before_the_core_starts(monkeypatch, capsys):
+  """A bad engine option is exit 2 naming its flag, before the engine-core process starts (the
+  check needs no device), not a server that listens and then fails its warm-up."""
+  calls = _stop_at_build(monkeypatch)
+  serve = ["serve", "--model", "tiny-llama", "--port", "0"]
+  assert cli.main([*serve, "--max-num-batched-tokens", "0"]) == 2
+  assert capsys.readouterr().err == ("error: --max-num-batched-tokens must be an int in [1, "
+                                     "65536], got 0\n")
+  assert cli.main([*serve, "--token-buckets", "4,16", "--max-num-batched-tokens", "32"]) == 2
+  assert capsys.readouterr().err.startswith("error: --token-buckets must end at "
+                                            "--max-num-batched-tokens (32)")
+  assert cli.main([*serve, "--tensor-parallel", "3"]) == 2
+  assert "--tensor-parallel=3 must divide" in capsys.readouterr().err
+  assert calls == []
+  # Valid on some platform: the core takes it (here, 64 running requests with the GPU's budget).
+  with pytest.raises(_Built):
+    cli.main([*serve, "--max-num-seqs", "64", "--max-num-batched-tokens", "2048"])
+  assert calls[-1]["max_num_seqs"] == 64
+
+
+def test_engine_check_options_asks_no_device():
+  code = ("from jax._src import xla_bridge\n"
+          "from cg_jax import Engine\n"
+          "Engine.check_options('tiny-llama', max_num_seqs=64, tensor_parallel=2,\n"
+          "                     dtype='float16')\n"
+          "try:\n"
+          "  Engine.check_options('tiny-llama', max_num_seqs=0)\n"
+          "except ValueError as error:\n"
+          "  print(error)\n"
+          "print(xla_bridge.backends_are_initialized())\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.splitlines()[-2:] == [
+      "max_num_seqs must be an int in [1, 4096], got 0", "False"], out.stdout
+
+
 def test_serve_checks_the_port_before_building_anything(monkeypatch, capsys):
   """`serve` binds --host:--port first: a busy port (or a bad host) fails at once, exit 2,
   naming the flag and the address, before the model is built; a free one goes on to build,

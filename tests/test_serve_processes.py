@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import signal
 import socket
 import threading
 import time
+import types
 
 import openai
 import pytest
 
 from cg_jax import Engine
+from cg_jax.core import process
 from cg_jax.hub import BUNDLED_DIR, DEFAULT_MODEL
+from cg_jax.serving import launch
 from tests.live_server import ServeProcess, get
 
 CHECKPOINT = os.path.join(BUNDLED_DIR, DEFAULT_MODEL)
@@ -189,6 +193,62 @@ def test_a_model_without_a_tokenizer_streams_per_step():
       os.kill(core, signal.SIGCONT)
   assert sum(len(c) for c in chunks) == 200
   assert len(chunks) >= 10, [len(c) for c in chunks]
+
+
+class _BusyEngine:
+  """The part of `Engine` the core process uses, with a build in flight on a thread pool that
+  outlives the engine (as the decode steps' own executables build behind a warm-up)."""
+
+  def __init__(self, marker: str):
+    self.model_config = types.SimpleNamespace(vocab_size=16, eos_token_id=(0,))
+    self.config = types.SimpleNamespace(max_seq_len=16, max_waiting=4)
+    self._pool = concurrent.futures.ThreadPoolExecutor(1)
+    self._pool.submit(time.sleep, 300)
+    open(marker, "w").close()
+
+  def on_step(self, callback):
+    pass
+
+  def executable_keys(self, phases=()):
+    return []
+
+  def warmup(self, **_):
+    pass
+
+  def stats(self):
+    return {}
+
+  def close(self):
+    pass
+
+
+class _BusyBuild:
+  def __init__(self, marker: str):
+    self.marker = marker
+
+  def __call__(self) -> _BusyEngine:
+    return _BusyEngine(self.marker)
+
+
+def test_the_core_process_ends_at_shutdown_with_a_build_in_flight(tmp_path):
+  marker = str(tmp_path / "built")
+  core = multiprocessing.get_context("spawn").Process(
+      target=process.run, args=(str(tmp_path), _BusyBuild(marker), ("step",), (), "warning"))
+  core.start()
+  try:
+    deadline = time.monotonic() + TIMEOUT
+    while not os.path.exists(marker):
+      assert core.is_alive() and time.monotonic() < deadline
+      time.sleep(0.05)
+    start = time.monotonic()
+    launch._tell_core(str(tmp_path), {"op": "shutdown"})
+    core.join(20)
+    assert not core.is_alive() and core.exitcode == 0, core.exitcode
+    assert time.monotonic() - start < 20
+  finally:
+    if core.is_alive():
+      core.kill()
+      core.join(5)
 
 
 def test_the_core_killed_fails_requests_fast_and_stops_serve():

@@ -128,15 +128,17 @@ class ForwardConfig:
   def create(cls, *, attention: str | None = None, layer_loop: str | None = None,
              min_matmul_rows: int | None = None,
              prefill_attention: FlashAttentionConfig | None = None,
-             batch_invariant: bool = False) -> "ForwardConfig":
+             batch_invariant: bool = False, platform: str | None = None) -> "ForwardConfig":
     """The config with the platform's defaults for what is None: Pallas attention and unrolled
     layers on GPU; XLA attention and scanned layers elsewhere; products on at least 8 rows.
     `batch_invariant`: the paged kernel's split count is kept off the batch
-    (`cg_jax.core.attention.paged_for_forward`)."""
+    (`cg_jax.core.attention.paged_for_forward`). `platform`: "gpu" or "cpu" instead of the
+    default backend's (nothing asks the device)."""
+    gpu = on_gpu if platform is None else (lambda: platform == "gpu")
     if attention is None:
-      attention = "pallas" if on_gpu() else "xla"
+      attention = "pallas" if gpu() else "xla"
     if layer_loop is None:
-      layer_loop = "unroll" if on_gpu() else "scan"
+      layer_loop = "unroll" if gpu() else "scan"
     if min_matmul_rows is None:
       min_matmul_rows = 8
     return cls(attention=attention, layer_loop=layer_loop, min_matmul_rows=min_matmul_rows,
@@ -318,7 +320,7 @@ class EngineConfig:
              gpu_memory_utilization: float | None = None,
              compiler_options: Mapping[str, Any] | None = None,
              batch_invariant: bool = False, token_buckets: Sequence[int] | None = None,
-             **forward_options) -> "EngineConfig":
+             platform: str | None = None, **forward_options) -> "EngineConfig":
     """The tree from `Engine`'s keyword options, with defaults for what is None: max_seq_len
     min(model context, DEFAULT_MAX_SEQ_LEN); max_num_seqs the platform's DEFAULT_NUM_SEQS, or
     the largest batch bucket when they are given (batch buckets DEFAULT_BATCH_BUCKETS, those up
@@ -330,7 +332,10 @@ class EngineConfig:
     batch-invariant), in the token buckets of `default_token_buckets` (given token_buckets: the
     last is the budget); the forward options of `ForwardConfig.create`. With
     `batch_invariant`, one prompt bucket of min(INVARIANT_CHUNK, max_seq_len - 1) tokens.
-    Checked against `model`."""
+    Checked against `model`. `platform`: "gpu" or "cpu", whose defaults to take, instead of the
+    default backend's; then nothing asks the device (a launcher that must not touch it checks
+    options so; the device count is not checked)."""
+    gpu = on_gpu if platform is None else (lambda: platform == "gpu")
     if max_seq_len is None:
       max_seq_len = min(model.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if _is_int(max_seq_len) and max_seq_len >= 2:  # (else the tree's own check says why)
@@ -354,7 +359,7 @@ class EngineConfig:
         batch_buckets = tuple(b for b in batch_buckets if b <= max_num_seqs) or (max_num_seqs,)
     buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets or ()))
     if max_num_seqs is None:
-      max_num_seqs = (DEFAULT_NUM_SEQS["gpu" if on_gpu() else "cpu"] if given_buckets is None
+      max_num_seqs = (DEFAULT_NUM_SEQS["gpu" if gpu() else "cpu"] if given_buckets is None
                       else buckets.max_batch)
     if token_buckets is not None:
       if batch_invariant is True:
@@ -369,9 +374,10 @@ class EngineConfig:
       max_num_batched_tokens = buckets.prompt_lengths[0]
     elif max_num_batched_tokens is None and _is_int(max_seq_len):
       # (no more than every row's whole context)
-      max_num_batched_tokens = min(DEFAULT_STEP_TOKENS["gpu" if on_gpu() else "cpu"],
+      max_num_batched_tokens = min(DEFAULT_STEP_TOKENS["gpu" if gpu() else "cpu"],
                                    max_num_seqs * max_seq_len)
-    forward = ForwardConfig.create(batch_invariant=batch_invariant, **forward_options)
+    forward = ForwardConfig.create(batch_invariant=batch_invariant, platform=platform,
+                                   **forward_options)
     if prefix_block is None and _is_int(max_seq_len) and max_seq_len >= 2:
       # Pages of 64 tokens beat 16 in every H200 decode row of the paged kernel.
       pallas = forward.attention == "pallas" and max_seq_len > 64
@@ -389,16 +395,16 @@ class EngineConfig:
         gpu_memory_utilization=gpu_memory_utilization,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
         batch_invariant=batch_invariant, token_buckets=token_buckets or ())
-    config.check_model(model)
+    config.check_model(model, count_devices=platform is None)
     return config
 
-  def check_model(self, model: DecoderConfig) -> None:
+  def check_model(self, model: DecoderConfig, count_devices: bool = True) -> None:
     """ValueError unless the cache fits the model's context and `tensor_parallel` divides the
-    model over devices that exist."""
+    model over devices that exist (`count_devices`: counted)."""
     if self.max_seq_len > model.max_position_embeddings:
       raise ValueError(f"max_seq_len must be an int in [2, {model.max_position_embeddings}], "
                        f"got {self.max_seq_len}")
-    check_tensor_parallel(model, self.tensor_parallel)
+    check_tensor_parallel(model, self.tensor_parallel, count_devices)
 
   @property
   def prefix_blocks(self) -> int:
@@ -546,6 +552,7 @@ def _keywords(function) -> tuple[str, ...]:
 
 # The keyword options `EngineConfig.create` takes (its own and the forward config's).
 # `ForwardConfig.create`'s batch_invariant and max_batch come from the engine's options.
-OPTION_NAMES: tuple[str, ...] = _keywords(EngineConfig.create) + tuple(
+OPTION_NAMES: tuple[str, ...] = tuple(
+    name for name in _keywords(EngineConfig.create) if name != "platform") + tuple(
     name for name in _keywords(ForwardConfig.create)
-    if name not in ("batch_invariant", "max_batch"))
+    if name not in ("batch_invariant", "max_batch", "platform"))

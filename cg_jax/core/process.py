@@ -305,3 +305,8 @@ def run(directory: str, build: Callable[[], Any], phases: Sequence[str],
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
   Core(directory, build, phases, later).run()
+  # The engine is closed: end now. A compile still in flight behind it (the decode steps' own,
+  # `Engine.warmup`) would otherwise hold the exit (Python joins thread pools at exit) for as
+  # long as it takes, past the launcher's CORE_STOP_S.
+  logging.shutdown()
+  os._exit(0)

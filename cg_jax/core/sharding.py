@@ -57,13 +57,19 @@ def initialize_processes(coordinator_address: str, num_processes: int, process_i
                              num_processes=num_processes, process_id=process_id)
 
 
-def check_tensor_parallel(config: DecoderConfig, tensor_parallel) -> None:
-  """ValueError unless `tensor_parallel` is an int in [1, device count] that divides the heads,
-  the KV heads and the MLP width."""
-  devices = len(jax.devices())
-  if (not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool)
-      or not 1 <= tensor_parallel <= devices):
-    raise ValueError(f"tensor_parallel must be an int in [1, {devices}] (the devices here), got "
+def check_tensor_parallel(config: DecoderConfig, tensor_parallel,
+                          count_devices: bool = True) -> None:
+  """ValueError unless `tensor_parallel` is an int in [1, device count] (an int >= 1 without
+  `count_devices`: nothing asks the device) that divides the heads, the KV heads and the MLP
+  width."""
+  is_int = isinstance(tensor_parallel, int) and not isinstance(tensor_parallel, bool)
+  if count_devices:
+    devices = len(jax.devices())
+    if not is_int or not 1 <= tensor_parallel <= devices:
+      raise ValueError(f"tensor_parallel must be an int in [1, {devices}] (the devices here), "
+                       f"got {tensor_parallel!r}")
+  elif not is_int or tensor_parallel < 1:
+    raise ValueError(f"tensor_parallel must be an int >= 1 (at most the devices), got "
                      f"{tensor_parallel!r}")
   sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
            "intermediate_size": config.intermediate_size}
