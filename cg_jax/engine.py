@@ -339,9 +339,10 @@ class Engine:
     On a GPU the decode steps not built before first run on stand-ins, the same steps on cuBLAS
     without autotuning (`ExecutableTable.stand_in_keys`): the warm-up returns once those are
     ready, and a background thread builds the steps on XLA's autotuned Triton GEMMs, which
-    replace them between two steps (primed first). Autotuning was most of a cold start, and
-    decodes faster (benchmarks/results/stand_ins_h100.md). `wait_for_final_steps()` waits for
-    them (steady-state measurements); a second start loads them from the store.
+    replace them between two steps (primed first): their autotuning was most of a cold start,
+    and they decode faster than the stand-ins (benchmarks/results/stand_ins_h100.md).
+    `wait_for_final_steps()` waits for them (steady-state measurements); a second start loads
+    them from the store.
 
     With `progress`, a bar on stderr counts the executables to compile (none: no bar).
     `on_progress(done, total)` is called at the start and after each executable is ready (done
