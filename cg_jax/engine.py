@@ -70,6 +70,16 @@ def _device_memory_bytes(device) -> int | None:
     return None
 
 
+def _model(path: str | os.PathLike) -> tuple[DecoderConfig, str | None]:
+  """(the model's config, its checkpoint directory, None for a preset) of what
+  `Engine.from_pretrained` takes; nothing but config.json is read."""
+  name = os.fspath(path)
+  if name in PRESETS and not os.path.isdir(name):
+    return PRESETS[name], None
+  directory = resolve_model(name)
+  return hf.config_from_hf(hf.read_config(directory)), directory
+
+
 class Engine:
   """Bucketed, ahead-of-time compiled decoder inference.
 
@@ -146,7 +156,7 @@ class Engine:
     self.executables = ExecutableTable(config, e, steps, self.dtype, self._parallel, store=store)
     if compile_while_loading:
       self.executables.compile_behind(
-          self.executables.builds(self.executable_keys(phases=compile_while_loading)))
+          self.executables.builds(self.executable_keys(phases=compile_while_loading))[0])
     # Seconds of the start's phases before warm-up (`stats()`): reading the checkpoint (when
     # `weights` is a function) and placing the weights on the device (random ones made first).
     self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": None}
@@ -185,12 +195,10 @@ class Engine:
   def from_pretrained(cls, path: str | os.PathLike, dtype: str | None = None, **options):
     """Load a local Hugging Face checkpoint directory, a bundled model's name, a preset name
     (random weights, no tokenizer), or a Hugging Face model name from the local HF cache."""
-    name = os.fspath(path)
-    if name in PRESETS and not os.path.isdir(name):
-      return cls(PRESETS[name], None, dtype=dtype, **options)
-    directory = resolve_model(name)
+    config, directory = _model(path)
+    if directory is None:
+      return cls(config, None, dtype=dtype, **options)
     dtype = default_dtype() if dtype is None else dtype
-    config = hf.config_from_hf(hf.read_config(directory))
     options.setdefault("tokenizer", text.load_tokenizer(directory))
     return cls(config, lambda: hf.load_checkpoint(directory, dtype)[1], dtype=dtype, **options)
 
@@ -200,9 +208,7 @@ class Engine:
     engine of the model at `path` on a GPU nor on the CPU (each platform's defaults for the
     rest), checked without touching a device or reading weights: for a launcher whose engine
     starts in another process (`serve`). The device count is not checked."""
-    name = os.fspath(path)
-    config = (PRESETS[name] if name in PRESETS and not os.path.isdir(name)
-              else hf.config_from_hf(hf.read_config(resolve_model(name))))
+    config, _ = _model(path)
     options = dict(options)
     dtype = options.pop("dtype", None)
     if dtype is not None:
@@ -355,9 +361,8 @@ class Engine:
     """
     start = time.perf_counter()
     keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
-    table = self.executables
-    stand_ins = table.stand_in_keys(keys)
-    times = self._build_and_prime(table.builds(keys), progress, workers, on_progress)
+    built, stand_ins = self.executables.builds(keys)
+    times = self._build_and_prime(built, progress, workers, on_progress)
     self._compiles_at_warmup = compile_stats.unplanned_count()
     self._warmup_wall_s = time.perf_counter() - start
     if stand_ins:
@@ -369,22 +374,13 @@ class Engine:
   def _build_final_steps(self, keys: list[tuple], start: float) -> None:
     """Build the steps of `keys` (running on stand-ins), prime them and retire the stand-ins;
     stops early once the engine is closed (the stand-ins then stay)."""
-    def check(done: int, total: int) -> None:
-      if self.closed:
-        raise _Stopped()
-
     try:
-      self._build_and_prime(keys, False, None, check)
-    except _Stopped:
-      pass
-    except Exception as error:  # noqa: BLE001 - logged; the stand-ins keep serving
-      log.warning("building the decode steps' own executables failed (%s: %s); their "
-                  "stand-ins keep serving", type(error).__name__, error)
-    else:
-      self.executables.retire_stand_ins(keys)
-      self._final_steps_s = time.perf_counter() - start
-      log.info("the decode steps run on their own executables, %.1f s after the warm-up began",
-               self._final_steps_s)
+      if self._build_behind(keys, lambda: self.closed, "the decode steps' own executables",
+                            "their stand-ins keep serving"):
+        self.executables.retire_stand_ins(keys)
+        self._final_steps_s = time.perf_counter() - start
+        log.info("the decode steps run on their own executables, %.1f s after the warm-up "
+                 "began", self._final_steps_s)
     finally:
       self._final_steps.set()
 
@@ -409,21 +405,29 @@ class Engine:
     The warm-up's stats stay those of the last `warmup` (a compile on the request path
     meanwhile still counts in `compiles_since_warmup`)."""
     start, before = time.monotonic(), len(self.executables.compiled)
+    if self._build_behind(self.executable_keys(phases=phases), stopping,
+                          f"the {'/'.join(phases)} executables", "a request that needs one "
+                          "builds it"):
+      log.info("%d more executables (%s) ready in %.1f s",
+               len(self.executables.compiled) - before, "/".join(phases), time.monotonic() - start)
 
+  def _build_behind(self, keys: list[tuple], stopping: Callable[[], bool], what: str,
+                    otherwise: str) -> bool:
+    """Build and prime `keys` while the engine serves: True when done; False when `stopping()`
+    stopped it, or when it failed (logged, naming `what` and what happens `otherwise`)."""
     def check(done: int, total: int) -> None:
       if stopping():
         raise _Stopped()
 
     try:
-      self._build_and_prime(self.executable_keys(phases=phases), False, None, check)
+      self._build_and_prime(keys, False, None, check)
     except _Stopped:
-      return
+      return False
     except Exception as error:  # noqa: BLE001 - logged; see above
-      log.warning("building the %s executables behind the requests failed (%s: %s); a request "
-                  "that needs one builds it", "/".join(phases), type(error).__name__, error)
-    else:
-      log.info("%d more executables (%s) ready in %.1f s",
-               len(self.executables.compiled) - before, "/".join(phases), time.monotonic() - start)
+      log.warning("building %s behind the requests failed (%s: %s); %s", what,
+                  type(error).__name__, error, otherwise)
+      return False
+    return True
 
   def stats(self) -> dict[str, Any]:
     """Compile counters, and the configuration that runs (`EngineConfig.as_dict`)."""

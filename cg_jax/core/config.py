@@ -88,6 +88,12 @@ def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def _platform(platform: str | None) -> str:
+  """The platform whose defaults apply, "gpu" or "cpu": `platform` when given, else the
+  default backend's (then the backend is asked)."""
+  return platform if platform is not None else ("gpu" if on_gpu() else "cpu")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ForwardConfig:
   """How the model's forward paths run.
@@ -134,11 +140,10 @@ class ForwardConfig:
     `batch_invariant`: the paged kernel's split count is kept off the batch
     (`cg_jax.core.attention.paged_for_forward`). `platform`: "gpu" or "cpu" instead of the
     default backend's (nothing asks the device)."""
-    gpu = on_gpu if platform is None else (lambda: platform == "gpu")
     if attention is None:
-      attention = "pallas" if gpu() else "xla"
+      attention = "pallas" if _platform(platform) == "gpu" else "xla"
     if layer_loop is None:
-      layer_loop = "unroll" if gpu() else "scan"
+      layer_loop = "unroll" if _platform(platform) == "gpu" else "scan"
     if min_matmul_rows is None:
       min_matmul_rows = 8
     return cls(attention=attention, layer_loop=layer_loop, min_matmul_rows=min_matmul_rows,
@@ -335,7 +340,6 @@ class EngineConfig:
     Checked against `model`. `platform`: "gpu" or "cpu", whose defaults to take, instead of the
     default backend's; then nothing asks the device (a launcher that must not touch it checks
     options so; the device count is not checked)."""
-    gpu = on_gpu if platform is None else (lambda: platform == "gpu")
     if max_seq_len is None:
       max_seq_len = min(model.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if _is_int(max_seq_len) and max_seq_len >= 2:  # (else the tree's own check says why)
@@ -359,7 +363,7 @@ class EngineConfig:
         batch_buckets = tuple(b for b in batch_buckets if b <= max_num_seqs) or (max_num_seqs,)
     buckets = Buckets(tuple(batch_buckets), tuple(prompt_buckets or ()))
     if max_num_seqs is None:
-      max_num_seqs = (DEFAULT_NUM_SEQS["gpu" if gpu() else "cpu"] if given_buckets is None
+      max_num_seqs = (DEFAULT_NUM_SEQS[_platform(platform)] if given_buckets is None
                       else buckets.max_batch)
     if token_buckets is not None:
       if batch_invariant is True:
@@ -374,7 +378,7 @@ class EngineConfig:
       max_num_batched_tokens = buckets.prompt_lengths[0]
     elif max_num_batched_tokens is None and _is_int(max_seq_len):
       # (no more than every row's whole context)
-      max_num_batched_tokens = min(DEFAULT_STEP_TOKENS["gpu" if gpu() else "cpu"],
+      max_num_batched_tokens = min(DEFAULT_STEP_TOKENS[_platform(platform)],
                                    max_num_seqs * max_seq_len)
     forward = ForwardConfig.create(batch_invariant=batch_invariant, platform=platform,
                                    **forward_options)

@@ -164,10 +164,11 @@ class ExecutableTable:
     return [key for key in keys if key[0] == "step" and not self.prefills(key)
             and key not in self.compiled and not ((path := self._stored(key)) and path.exists())]
 
-  def builds(self, keys: Sequence[tuple]) -> list[tuple]:
-    """What a warm-up of `keys` builds: each of `stand_in_keys(keys)` as its stand-in."""
-    stand_ins = set(self.stand_in_keys(keys))
-    return [(*key, STAND_IN) if key in stand_ins else key for key in keys]
+  def builds(self, keys: Sequence[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """(what a warm-up of `keys` builds: each of `stand_in_keys(keys)` as its stand-in, those
+    keys)."""
+    stand_ins = self.stand_in_keys(keys)
+    return [(*key, STAND_IN) if key in stand_ins else key for key in keys], stand_ins
 
   def retire_stand_ins(self, keys: Sequence[tuple]) -> None:
     """Drop the stand-ins of `keys` (their own executables are built)."""
