@@ -289,13 +289,15 @@ def serve_table(found) -> list[str]:
 
 
 def startup_table(found) -> list[str]:
-  out = ["| model | what | cache | until ready s | first answer s |", "|---|---|---|---|---|"]
+  out = ["| model | what | cache | until ready s | first answer s | own decode steps s |",
+         "|---|---|---|---|---|---|"]
   for r in found:
     if r.workload.get("kind") == "startup":
       f = r.figures
       ready = f.get("ready_s", f.get("warmup_s"))
       out.append(f"| {_name(r)} | {r.workload['which']} | {r.workload['cache']} | "
-                 f"{_fmt(ready)} | {_fmt(f.get('first_answer_s'))} |")
+                 f"{_fmt(ready)} | {_fmt(f.get('first_answer_s'))} | "
+                 f"{_fmt(f.get('final_steps_s'))} |")
   return out
 
 

@@ -443,6 +443,7 @@ class Engine:
         "warmup_seconds": sum(self.executables.compile_seconds.values()),
         "warmup_wall_s": self._warmup_wall_s,
         "final_steps_s": self._final_steps_s,
+        "steps_on_stand_ins": self.executables.on_stand_ins(),
         **self._load_seconds,
         "compilation_cache_dir": self.compilation_cache_dir,
         "dtype": self.dtype.name,

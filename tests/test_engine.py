@@ -138,6 +138,7 @@ def test_decode_steps_start_on_stand_ins_then_run_their_own(monkeypatch):
   engine.warmup(phases=SERVING_PHASES, progress=False)
   assert {("step", 2, STAND_IN), ("step", 8, STAND_IN)} <= set(table.compiled)
   assert ("step", 2) not in table.compiled and not engine.wait_for_final_steps(0.05)
+  assert engine.stats()["steps_on_stand_ins"] == 2
   prompts = _prompts(11, [3, 7])
   early = engine.generate(prompts, max_new_tokens=6, eos_token_id=[])
   release.set()
@@ -145,7 +146,9 @@ def test_decode_steps_start_on_stand_ins_then_run_their_own(monkeypatch):
   assert {("step", 2), ("step", 8)} <= set(table.compiled)
   assert not [key for key in table.compiled if key[-1] == STAND_IN]
   assert engine.generate(prompts, max_new_tokens=6, eos_token_id=[]) == early
-  assert engine.stats()["compiles_since_warmup"] == 0 and engine.stats()["final_steps_s"] > 0
+  stats = engine.stats()
+  assert stats["compiles_since_warmup"] == 0 and stats["final_steps_s"] > 0
+  assert stats["steps_on_stand_ins"] == 0
   # On a GPU by default; batch-invariant engines never (a stand-in's GEMMs round otherwise).
   starts = ExecutableTable.starts_on_stand_ins
   model = preset("tiny-llama")

@@ -500,6 +500,7 @@ def test_metrics_count_requests_and_tokens(client, engine, port):
   assert after[("cg_jax_requests_running", ())] == 0
   assert after[("cg_jax_requests_waiting", ())] == 0
   assert after[("cg_jax_compiles_since_warmup", ())] == 0  # nothing compiled on the request path
+  assert after[("cg_jax_steps_on_stand_ins", ())] == 0  # (the CPU builds no stand-ins)
   if "prefix_cache_hits" in engine.stats():
     assert ("cg_jax_prefix_cache_hits", ()) in after
   assert after[("cg_jax_kv_blocks", ())] == engine.stats()["kv_blocks"] > 0

@@ -7,14 +7,19 @@ again for the warm one. Times are seconds from just before the process is spawne
   engine (`python -m cg_jax.bench.startup --child ...`, this module): `import_s` when the
     child has imported cg_jax, `load_s` when `Engine.from_pretrained` returns, `warmup_s` when
     `warmup()` returns, `first_answer_s` when the first `generate` (a 4-token prompt, 4 new
-    tokens) returns; also the number of `executables` warm-up made, the `slowest_compile_s` of
-    them, and the loading's own phases as durations (`Engine.stats()`: `checkpoint_read_s`
-    unless the model is a preset, `weights_place_s`);
+    tokens) returns, `final_steps_s` when no step runs on a stand-in any more
+    (`Engine.wait_for_final_steps`); also the number of `executables` warm-up made, the
+    `slowest_compile_s` of them, and the loading's own phases as durations (`Engine.stats()`:
+    `checkpoint_read_s` unless the model is a preset, `weights_place_s`);
   serve (`python -m cg_jax serve --port 0`): `listen_s` when it logs "Uvicorn running on
     http://HOST:PORT", `loaded_s` when its engine core logs that the model is loaded (its
     warm-up starts), `ready_s` when GET /health first answers 200 (polled every 20 ms),
-    `first_answer_s` when the first POST /v1/completions (4 tokens) returns; then SIGTERM, and
+    `first_answer_s` when the first POST /v1/completions (4 tokens) returns, `final_steps_s`
+    when GET /metrics first shows no step on a stand-in (polled every 0.2 s); then SIGTERM, and
     the process must exit.
+A start ends only once its decode steps run on their own executables (a GPU builds them behind
+the first requests, `Engine.warmup`), so that they are stored: the warm start measures loading
+everything, not building the steps again.
 A start runs in a process group of its own, killed whenever the measurement ends another way
 (an error, a timeout, SIGTERM or SIGINT to this process): nothing it started outlives it.
 `--max-seq-len`, `--batch-buckets`, `--prompt-buckets`, `--max-num-batched-tokens` and
@@ -49,6 +54,8 @@ PROMPT = [1, 2, 3, 4]  # the first request's token ids
 ANSWER_TOKENS = 4
 _LISTENING = re.compile(r"Uvicorn running on http://(\S+):(\d+)")
 _LOADED = "engine core: model loaded"  # (`cg_jax.core.process`: the weights are on the device)
+# `/metrics`' gauge of `Engine.stats()["steps_on_stand_ins"]`
+_ON_STAND_INS = re.compile(r"^cg_jax_steps_on_stand_ins (\S+)$", re.MULTILINE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,7 +147,7 @@ def _env(cache: str) -> dict[str, str]:
 
 def _engine(args, cache: str) -> dict[str, float]:
   command = [sys.executable, "-m", "cg_jax.bench.startup", "--child", "--model", args.model,
-             "--cache", cache, *_pass_through(args)]
+             "--cache", cache, "--timeout", str(args.timeout), *_pass_through(args)]
   begin = time.time()
   process = subprocess.Popen(command, env=_env(cache), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -152,7 +159,7 @@ def _engine(args, cache: str) -> dict[str, float]:
     raise RuntimeError(f"the engine start failed ({process.returncode}): {err[-4000:]}")
   at = json.loads(out.strip().splitlines()[-1])
   return {**{name: at[name] - begin for name in ("import_s", "load_s", "warmup_s",
-                                                 "first_answer_s")},
+                                                 "first_answer_s", "final_steps_s")},
           **{name: at[name] for name in ("executables", "slowest_compile_s", "checkpoint_read_s",
                                          "weights_place_s") if at[name] is not None}}
 
@@ -210,6 +217,14 @@ def _serve(args, cache: str) -> dict[str, float]:
     answered = time.time()
     if status != 200:
       raise RuntimeError(f"/v1/completions answered {status}: {body[:1000]!r}")
+    while True:
+      status, body = _request(base + "/metrics", timeout=5)
+      if status == 200 and (match := _ON_STAND_INS.search(body.decode())) and not float(match[1]):
+        break
+      if process.poll() is not None or time.monotonic() > deadline:
+        raise RuntimeError(f"`serve`'s decode steps stayed on stand-ins: {''.join(lines)[-4000:]}")
+      time.sleep(0.2)
+    final = time.time()
     process.send_signal(signal.SIGTERM)
     code = process.wait(timeout=60)
     if code != 0:
@@ -218,18 +233,19 @@ def _serve(args, cache: str) -> dict[str, float]:
     _kill_group(process)
     reader.join(timeout=30)
   return {"listen_s": listened - begin, "ready_s": ready - begin,
-          "first_answer_s": answered - begin,
+          "first_answer_s": answered - begin, "final_steps_s": final - begin,
           **({"loaded_s": loaded[0] - begin} if loaded else {})}
 
 
 def _child(argv: list[str]) -> None:
-  """The engine start: prints {"import_s", "load_s", "warmup_s", "first_answer_s"} as epoch
-  seconds, the executables warmed up, the slowest one's compile (or load) seconds and the
+  """The engine start: prints {"import_s", "load_s", "warmup_s", "first_answer_s",
+  "final_steps_s"} as epoch seconds, the executables warmed up, the slowest one's compile (or load) seconds and the
   loading's phases (durations)."""
   imported = time.time()  # (this module's imports, cg_jax's among them, are done)
   parser = argparse.ArgumentParser(prog="python -m cg_jax.bench.startup")
   parser.add_argument("--child", action="store_true", required=True)
   parser.add_argument("--cache", required=True)
+  parser.add_argument("--timeout", type=float, required=True)
   options.add_model_arguments(parser, dtype=False)
   args = parser.parse_args(argv)
   engine = Engine.from_pretrained(args.model, compilation_cache=args.cache,
@@ -241,10 +257,14 @@ def _child(argv: list[str]) -> None:
   warm = time.time()
   engine.generate([PROMPT], ANSWER_TOKENS, eos_token_id=[])
   answered = time.time()
+  if not engine.wait_for_final_steps(args.timeout):
+    raise RuntimeError(f"the decode steps stayed on stand-ins for {args.timeout} s")
+  final = time.time()
   stats = engine.stats()
   engine.close()
   print(json.dumps({"import_s": imported, "load_s": loaded, "warmup_s": warm,
-                    "first_answer_s": answered, "executables": len(seconds),
+                    "first_answer_s": answered, "final_steps_s": final,
+                    "executables": len(seconds),
                     "slowest_compile_s": max(seconds.values()),
                     **{name: stats[name] for name in ("checkpoint_read_s", "weights_place_s")}}))
 

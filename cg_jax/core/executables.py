@@ -170,6 +170,10 @@ class ExecutableTable:
     stand_ins = self.stand_in_keys(keys)
     return [(*key, STAND_IN) if key in stand_ins else key for key in keys], stand_ins
 
+  def on_stand_ins(self) -> int:
+    """How many steps run on their stand-ins now."""
+    return sum(key[-1] == STAND_IN for key in list(self.compiled))
+
   def retire_stand_ins(self, keys: Sequence[tuple]) -> None:
     """Drop the stand-ins of `keys` (their own executables are built)."""
     for key in keys:

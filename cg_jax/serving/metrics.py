@@ -26,14 +26,17 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 
 class EngineGauges:
   """Gauges read from `engine.stats()` at each scrape: queue depth, running requests, compiles
-  since warm-up and every numeric `kv_block*` (the paged cache's blocks: its use) and
+  since warm-up, decode steps on stand-ins and every numeric `kv_block*` (the paged cache's blocks: its use) and
   `prefix_cache_*` entry."""
 
   GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
       "waiting": ("cg_jax_requests_waiting", "requests in the engine's waiting queue"),
       "running": ("cg_jax_requests_running", "requests running (each holds its KV blocks)"),
       "compiles_since_warmup": ("cg_jax_compiles_since_warmup",
-                                "XLA compilations after warm-up (0 when serving)")}
+                                "XLA compilations after warm-up (0 when serving)"),
+      "steps_on_stand_ins": ("cg_jax_steps_on_stand_ins",
+                             "decode steps on their stand-ins until their own executables are "
+                             "built behind the warm-up (0 when serving at full speed)")}
 
   def __init__(self, engine: Engine):
     self.engine = engine
