@@ -239,8 +239,8 @@ def _serve(args, cache: str) -> dict[str, float]:
 
 def _child(argv: list[str]) -> None:
   """The engine start: prints {"import_s", "load_s", "warmup_s", "first_answer_s",
-  "final_steps_s"} as epoch seconds, the executables warmed up, the slowest one's compile (or load) seconds and the
-  loading's phases (durations)."""
+  "final_steps_s"} as epoch seconds, the executables warmed up, the slowest one's compile (or
+  load) seconds and the loading's phases (durations)."""
   imported = time.time()  # (this module's imports, cg_jax's among them, are done)
   parser = argparse.ArgumentParser(prog="python -m cg_jax.bench.startup")
   parser.add_argument("--child", action="store_true", required=True)

@@ -26,8 +26,8 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 
 class EngineGauges:
   """Gauges read from `engine.stats()` at each scrape: queue depth, running requests, compiles
-  since warm-up, decode steps on stand-ins and every numeric `kv_block*` (the paged cache's blocks: its use) and
-  `prefix_cache_*` entry."""
+  since warm-up, decode steps on stand-ins and every numeric `kv_block*` (the paged cache's
+  blocks: its use) and `prefix_cache_*` entry."""
 
   GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
       "waiting": ("cg_jax_requests_waiting", "requests in the engine's waiting queue"),
