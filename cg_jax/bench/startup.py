@@ -42,6 +42,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
@@ -203,28 +204,33 @@ def _serve(args, cache: str) -> dict[str, float]:
       raise RuntimeError(f"`serve` did not start listening: {''.join(lines)[-4000:]}")
     listened, host, port = listening
     base = f"http://{host.strip('[]')}:{port}"
-    while True:
+
+    def until(done: Callable[[], bool], every: float, failure: str) -> float:
+      """Poll `done` every `every` s until it holds (its time) or the server ends or times out."""
+      while not done():
+        if process.poll() is not None or time.monotonic() > deadline:
+          raise RuntimeError(f"`serve` {failure}: {''.join(lines)[-4000:]}")
+        time.sleep(every)
+      return time.time()
+
+    def healthy() -> bool:
       with contextlib.suppress(OSError):
-        if _request(base + "/health", timeout=5)[0] == 200:
-          break
-      if process.poll() is not None or time.monotonic() > deadline:
-        raise RuntimeError(f"`serve` never answered /health 200: {''.join(lines)[-4000:]}")
-      time.sleep(0.02)
-    ready = time.time()
+        return _request(base + "/health", timeout=5)[0] == 200
+      return False
+
+    def on_own_steps() -> bool:
+      status, body = _request(base + "/metrics", timeout=5)
+      match = _ON_STAND_INS.search(body.decode()) if status == 200 else None
+      return match is not None and not float(match[1])
+
+    ready = until(healthy, 0.02, "never answered /health 200")
     status, body = _request(base + "/v1/completions", dict(
         model=args.model, prompt=PROMPT, max_tokens=ANSWER_TOKENS, temperature=0,
         ignore_eos=True))
     answered = time.time()
     if status != 200:
       raise RuntimeError(f"/v1/completions answered {status}: {body[:1000]!r}")
-    while True:
-      status, body = _request(base + "/metrics", timeout=5)
-      if status == 200 and (match := _ON_STAND_INS.search(body.decode())) and not float(match[1]):
-        break
-      if process.poll() is not None or time.monotonic() > deadline:
-        raise RuntimeError(f"`serve`'s decode steps stayed on stand-ins: {''.join(lines)[-4000:]}")
-      time.sleep(0.2)
-    final = time.time()
+    final = until(on_own_steps, 0.2, "kept decode steps on stand-ins")
     process.send_signal(signal.SIGTERM)
     code = process.wait(timeout=60)
     if code != 0:
