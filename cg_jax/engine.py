@@ -85,9 +85,10 @@ class Engine:
 
   Args:
     config: the model's `DecoderConfig`.
-    weights: {weight kind: array} as produced by `models.hf`, or a function that returns them
-      (called once the executables of `compile_while_loading` are building: `from_pretrained`
-      reads its checkpoint so); None initialises random weights (normal(0.02), seeded by
+    weights: {weight kind: array} as produced by `models.hf`, or a function of a device that
+      returns them, there if it is not None (called once the executables of
+      `compile_while_loading` are building, with the device unless the engine is
+      tensor-parallel: `from_pretrained` reads its checkpoint so); None initialises random weights (normal(0.02), seeded by
       `seed`) for smoke tests and benchmarks.
     dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on GPU, float32 elsewhere.
     tokenizer: a `tokenizers.Tokenizer` for text prompts and stop strings, or None.
@@ -158,11 +159,12 @@ class Engine:
       self.executables.compile_behind(
           self.executables.builds(self.executable_keys(phases=compile_while_loading))[0])
     # Seconds of the start's phases before warm-up (`stats()`): reading the checkpoint (when
-    # `weights` is a function) and placing the weights on the device (random ones made first).
+    # `weights` is a function: onto the device unless tensor-parallel) and placing the weights
+    # on the device (random ones made first; a tensor-parallel engine splits them).
     self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": None}
     start = time.perf_counter()
     if callable(weights):
-      weights = weights()
+      weights = weights(jax.devices()[0] if self._parallel is None else None)
       self._load_seconds["checkpoint_read_s"] = time.perf_counter() - start
       start = time.perf_counter()
     if weights is None:
@@ -200,7 +202,8 @@ class Engine:
       return cls(config, None, dtype=dtype, **options)
     dtype = default_dtype() if dtype is None else dtype
     options.setdefault("tokenizer", text.load_tokenizer(directory))
-    return cls(config, lambda: hf.load_checkpoint(directory, dtype)[1], dtype=dtype, **options)
+    return cls(config, lambda device: hf.load_checkpoint(directory, dtype, device)[1],
+               dtype=dtype, **options)
 
   @staticmethod
   def check_options(path: str | os.PathLike, **options) -> None:

@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -246,9 +248,70 @@ def _global_tensors(config: DecoderConfig) -> dict[str, tuple[str, tuple[int, ..
   return kinds
 
 
+# Where a weight kind comes from: per layer (one entry for a kind that is not stacked) the stored
+# tensors concatenated along its last axis, each (name as stored, transposed?).
+Layout = dict[str, tuple[bool, list[list[tuple[str, bool]]]]]
+
+
+def stored_layout(config: DecoderConfig, shapes: Mapping[str, tuple[int, ...]]) -> Layout:
+  """{weight kind: (stacked over layers?, sources)} for a checkpoint whose tensors have `shapes`
+  ({name as stored: shape}); reads no tensor data.
+
+  Raises:
+    CheckpointError: a tensor is missing, unexpected, or has the wrong shape.
+  """
+  by_canonical: dict[str, str] = {}
+  for name in shapes:
+    by_canonical.setdefault(_canonical(name), name)
+  consumed: set[str] = set()
+
+  def source(canonical: str, shape: tuple[int, ...], transpose: bool) -> tuple[str, bool]:
+    if canonical not in by_canonical:
+      raise CheckpointError(f"missing tensor {canonical!r} (expected shape {shape})")
+    stored = tuple(shapes[by_canonical[canonical]])
+    if stored != shape:
+      raise CheckpointError(f"tensor {canonical!r} has shape {stored}, expected {shape}")
+    consumed.add(canonical)
+    return by_canonical[canonical], transpose
+
+  layout: Layout = {kind: (False, [[source(*spec)]])
+                    for kind, spec in _global_tensors(config).items()}
+  for kind, parts in _layer_tensors(config).items():
+    layout[kind] = (True, [[source(tpl.format(i=i), shape, tr) for tpl, shape, tr in parts]
+                           for i in range(config.num_layers)])
+  if config.tie_word_embeddings and "lm_head.weight" in by_canonical:
+    consumed.add("lm_head.weight")  # a redundant copy of the tied embedding
+  unexpected = sorted(
+      c for c in by_canonical if c not in consumed and not c.endswith(_IGNORED_SUFFIXES))
+  if unexpected:
+    shown = ", ".join(repr(u) for u in unexpected[:5])
+    raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in checkpoint: {shown}")
+  return layout
+
+
+def assemble(layout: Layout, get: Callable[[str], Any], dtype="float32", xp=np) -> dict[str, Any]:
+  """{weight kind: array} from the stored tensors (`get(name)`) as `layout` says: cast to
+  `dtype`, transposed, concatenated and stacked with `xp`, NumPy on the host (arrays that may
+  be views of the tensors) or jax.numpy inside a jit (on the device)."""
+  target = numpy_dtype(dtype)
+
+  def part(name: str, transpose: bool):
+    array = get(name).astype(target, copy=False)
+    return array.T if transpose else array
+
+  weights = {}
+  for kind, (stacked, layers) in layout.items():
+    # [*shape] per layer: its parts side by side
+    per_layer = [part(*parts[0]) if len(parts) == 1 else
+                 xp.concatenate([part(*p) for p in parts], axis=-1) for parts in layers]
+    # [L, *shape] or [*shape]
+    weights[kind] = xp.stack(per_layer) if stacked else per_layer[0]
+  return weights
+
+
 def convert_weights(config: DecoderConfig, get: Callable[[str], Any], names: list[str],
                     dtype="float32") -> dict[str, np.ndarray]:
-  """Assemble stacked weights from Hugging Face tensors.
+  """Assemble stacked weights from Hugging Face tensors on the host.
 
   Args:
     config: the model config (from `config_from_hf`).
@@ -256,45 +319,13 @@ def convert_weights(config: DecoderConfig, get: Callable[[str], Any], names: lis
     names: every tensor name in the checkpoint.
     dtype: target dtype name.
   Returns:
-    {weight kind: NumPy array}, layer weights stacked [L, ...], ready for `Decoder`.
+    {weight kind: C-contiguous NumPy array}, layer weights stacked [L, ...], ready for `Decoder`.
   Raises:
     CheckpointError: a tensor is missing, unexpected, or has the wrong shape.
   """
-  target = numpy_dtype(dtype)
-  by_canonical: dict[str, str] = {}
-  for name in names:
-    by_canonical.setdefault(_canonical(name), name)
-  consumed: set[str] = set()
-
-  def fetch(canonical: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
-    if canonical not in by_canonical:
-      raise CheckpointError(f"missing tensor {canonical!r} (expected shape {shape})")
-    array = _to_numpy(get(by_canonical[canonical]))
-    if tuple(array.shape) != shape:
-      raise CheckpointError(
-          f"tensor {canonical!r} has shape {tuple(array.shape)}, expected {shape}")
-    consumed.add(canonical)
-    array = array.astype(target, copy=False)
-    return array.T if transpose else array
-
-  weights: dict[str, np.ndarray] = {}
-  for kind, (name, shape, transpose) in _global_tensors(config).items():
-    weights[kind] = np.ascontiguousarray(fetch(name, shape, transpose))
-  for kind, parts in _layer_tensors(config).items():
-    per_layer = []
-    for i in range(config.num_layers):
-      pieces = [fetch(tpl.format(i=i), shape, tr) for tpl, shape, tr in parts]
-      per_layer.append(pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1))
-    weights[kind] = np.stack(per_layer)
-  tied_head = config.tie_word_embeddings and "lm_head.weight" in by_canonical
-  if tied_head:
-    consumed.add("lm_head.weight")  # a redundant copy of the tied embedding
-  unexpected = sorted(
-      c for c in by_canonical if c not in consumed and not c.endswith(_IGNORED_SUFFIXES))
-  if unexpected:
-    shown = ", ".join(repr(u) for u in unexpected[:5])
-    raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in checkpoint: {shown}")
-  return weights
+  layout = stored_layout(config, {name: tuple(get(name).shape) for name in names})
+  weights = assemble(layout, lambda name: _to_numpy(get(name)), dtype)
+  return {kind: np.ascontiguousarray(array) for kind, array in weights.items()}
 
 
 def convert_state_dict(config: DecoderConfig, state_dict: Mapping[str, Any],
@@ -420,20 +451,34 @@ def read_tensors(path: str | os.PathLike) -> tuple[DecoderConfig, dict[str, np.n
   return config, {name: views[name] for name in files}
 
 
-def load_checkpoint(path: str | os.PathLike, dtype="float32") -> tuple[DecoderConfig, dict[str, np.ndarray]]:
+def load_checkpoint(path: str | os.PathLike, dtype="float32",
+                    device: jax.Device | None = None) -> tuple[DecoderConfig, dict[str, Any]]:
   """Load a local Hugging Face checkpoint directory.
 
+  Args:
+    dtype: the weights' dtype.
+    device: where to assemble them. None: on the host. A device: each tensor is copied there
+      as stored, straight from the files' mapping, and cast, transposed, concatenated and
+      stacked there by one compiled function (the stored tensors and the weights are both on
+      the device until it returns).
   Returns:
-    (config, stacked weights as host NumPy arrays in `dtype`, none of them a view of the files).
+    (config, stacked weights: host NumPy arrays in `dtype`, none of them a view of the files, or
+    arrays on `device`).
   """
   # The tensors are read where they are converted, straight from the files' mappings: no copy of
-  # them is made first, nor staged through a JAX array or an accelerator
-  # (benchmarks/results/checkpoint_load_cpu.md, checkpoint_mapped_cpu.md).
+  # them is made first (benchmarks/results/checkpoint_load_cpu.md, checkpoint_mapped_cpu.md).
   config, tensors = read_tensors(path)
-  weights = convert_weights(config, tensors.__getitem__, list(tensors), dtype)
+  layout = stored_layout(config, {name: array.shape for name, array in tensors.items()})
+  if device is not None:
+    used = {name: tensors[name] for _, layers in layout.values() for parts in layers
+            for name, _ in parts}
+    on_device = jax.device_put(used, device)
+    return config, jax.jit(lambda stored: assemble(layout, stored.__getitem__, dtype, jnp))(
+        on_device)
+  weights = assemble(layout, tensors.__getitem__, dtype)
   # (a tensor used as stored, e.g. an embedding in the target dtype, is still a view: copied)
-  return config, {kind: array if array.flags.owndata else np.array(array)
-                  for kind, array in weights.items()}
+  return config, {kind: array if array.flags.owndata and array.flags.c_contiguous else
+                  np.array(array, order="C") for kind, array in weights.items()}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -233,16 +234,21 @@ ROUND_TRIP_CONFIGS = {
 }
 
 
+def _variant_tensors(config, seed):
+  tensors = random_tensors(config, seed=seed)
+  if config.get("attention_bias"):  # the helper writes no Llama biases; add them by hand
+    rng = np.random.default_rng(seed + 1)
+    for name, value in list(tensors.items()):
+      if name.endswith(("_proj.weight")):
+        tensors[name[:-len("weight")] + "bias"] = rng.normal(0, 0.1, value.shape[:1]).astype(np.float32)
+  return tensors
+
+
 @pytest.mark.parametrize("variant", sorted(ROUND_TRIP_CONFIGS))
 def test_save_checkpoint_round_trip(tmp_path, variant):
   """save_checkpoint writes the same HF tensors (and an equivalent config) that were loaded."""
   config = ROUND_TRIP_CONFIGS[variant]
-  tensors = random_tensors(config, seed=11)
-  if config.get("attention_bias"):  # the helper writes no Llama biases; add them by hand
-    rng = np.random.default_rng(12)
-    for name, value in list(tensors.items()):
-      if name.endswith(("_proj.weight")):
-        tensors[name[:-len("weight")] + "bias"] = rng.normal(0, 0.1, value.shape[:1]).astype(np.float32)
+  tensors = _variant_tensors(config, seed=11)
   ours, weights = load_checkpoint(write_checkpoint(tmp_path / "in", config, tensors))
   save_checkpoint(tmp_path / "out", ours, weights)
   again, _ = load_checkpoint(tmp_path / "out")
@@ -251,6 +257,36 @@ def test_save_checkpoint_round_trip(tmp_path, variant):
   assert sorted(written) == sorted(tensors)
   for name, value in tensors.items():
     np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("variant", sorted(ROUND_TRIP_CONFIGS))
+@pytest.mark.parametrize("stored, dtype", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_weights_assembled_on_the_device_equal_the_hosts(tmp_path, variant, stored, dtype):
+  """load_checkpoint(device=...) copies the tensors as stored and casts, transposes,
+  concatenates and stacks them there: bit for bit the host's weights."""
+  config = ROUND_TRIP_CONFIGS[variant]
+  path = write_checkpoint(tmp_path, config, _variant_tensors(config, seed=3), dtype=stored)
+  _, host = load_checkpoint(path, dtype)
+  device = jax.devices()[0]
+  _, placed = load_checkpoint(path, dtype, device)
+  assert sorted(placed) == sorted(host)
+  for kind, array in placed.items():
+    assert isinstance(array, jax.Array) and array.devices() == {device}, kind
+    assert array.dtype == host[kind].dtype and array.shape == host[kind].shape, kind
+    np.testing.assert_array_equal(np.asarray(array), host[kind], err_msg=kind)
+
+
+def test_a_bad_checkpoint_fails_before_the_device_gets_a_tensor(tmp_path, monkeypatch):
+  config = CONFIGS["llama"]
+  path = write_checkpoint(tmp_path, config, random_tensors(config))
+  _rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+
+  def refused(*args, **kwargs):
+    raise AssertionError("a tensor went to the device")
+
+  monkeypatch.setattr(jax, "device_put", refused)
+  with pytest.raises(CheckpointError, match=r"missing tensor 'layers\.1\.mlp\.up_proj\.weight'"):
+    load_checkpoint(path, "float32", jax.devices()[0])
 
 
 def test_save_checkpoint_rejects_wrong_layer_count(tmp_path):

@@ -306,7 +306,8 @@ def test_executables_build_while_the_weights_load(engine, monkeypatch):
   monkeypatch.setattr(ExecutableTable, "_build", counted)
   weights = engine.weights()
 
-  def load():
+  def load(device):
+    assert device == jax.devices()[0]  # (not tensor-parallel: read onto the device)
     deadline = time.monotonic() + 60
     while not built and time.monotonic() < deadline:
       time.sleep(0.01)
