@@ -9,8 +9,8 @@ warm starts alternate between the two, each a new process:
 Each row: seconds from the process's start to cg_jax imported (`import_s`), `from_pretrained`
 returned (`loaded_s`), `warmup()` returned (`ready_s`) and a first 4-token answer (`first_s`),
 the executables loaded from the store, and the checkpoint's read and place seconds. The cold
-start does not wait for its autotuned decode steps: the warm ones load the stand-ins (as many
-executables) and build those behind. Why: on the CPU machine loading beside the read slowed it
+start waits for its autotuned decode steps (`final_s`), so that the warm ones load every
+executable as `serve`'s second start does. Why: on the CPU machine loading beside the read slowed it
 (results/compile_while_loading_cpu.md); a GPU host has the cores for both.
 """
 
@@ -48,9 +48,12 @@ def start(mode: str, model: str, cache: str, max_seq_len: int) -> dict:
   ready = time.time()
   engine.generate([[1, 2, 3, 4]], 4, eos_token_id=[])
   first = time.time()
+  if mode == "cold":
+    engine.wait_for_final_steps(600)
   stats = engine.stats()
   return dict(mode=mode, import_s=imported - T0, loaded_s=loaded - T0, ready_s=ready - T0,
-              first_s=first - T0, executables_loaded=stats["executables_loaded"],
+              first_s=first - T0, final_s=time.time() - T0,
+              executables_loaded=stats["executables_loaded"],
               checkpoint_read_s=stats["checkpoint_read_s"],
               weights_place_s=stats["weights_place_s"])
 
@@ -71,7 +74,9 @@ def main() -> None:
     for mode in ["cold"] + ["after", "beside"] * args.rounds:
       done = subprocess.run([sys.executable, __file__, args.model, args.output, "--max-seq-len",
                              str(args.max_seq_len), "--child", mode, cache],
-                            capture_output=True, text=True, check=True)
+                            capture_output=True, text=True)
+      if done.returncode:
+        sys.exit(f"the {mode} start failed ({done.returncode}):\n{done.stderr[-3000:]}")
       row = json.loads(done.stdout.strip().splitlines()[-1])
       with open(args.output, "a") as out:
         out.write(json.dumps(row) + "\n")
