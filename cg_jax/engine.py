@@ -58,6 +58,18 @@ def default_dtype() -> str:
   return "bfloat16" if on_gpu() else "float32"
 
 
+def checkpoint_device(config: DecoderConfig, dtype, limit: int | None, tensor_parallel: int):
+  """Where `from_pretrained` assembles a checkpoint's weights (`models.hf.load_checkpoint`): on
+  the first device when its memory (`limit` bytes; None: unknown) holds the stored tensors
+  (float32 at most) and the weights together, as it does until the assembly returns; else on
+  the host (None), as for a tensor-parallel engine, which splits them there."""
+  device = jax.devices()[0]
+  stored = config.num_parameters() * (4 + jnp.dtype(dtype).itemsize)
+  if tensor_parallel > 1 or (limit is not None and stored > limit):
+    return None
+  return device
+
+
 def _device_memory_bytes(device) -> int | None:
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if stats and "bytes_limit" in stats:
@@ -87,8 +99,8 @@ class Engine:
     config: the model's `DecoderConfig`.
     weights: {weight kind: array} as produced by `models.hf`, or a function of a device that
       returns them, there if it is not None (called once the executables of
-      `compile_while_loading` are building, with the device unless the engine is
-      tensor-parallel: `from_pretrained` reads its checkpoint so); None initialises random weights (normal(0.02), seeded by
+      `compile_while_loading` are building, with `checkpoint_device`'s choice: `from_pretrained`
+      reads its checkpoint so); None initialises random weights (normal(0.02), seeded by
       `seed`) for smoke tests and benchmarks.
     dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on GPU, float32 elsewhere.
     tokenizer: a `tokenizers.Tokenizer` for text prompts and stop strings, or None.
@@ -164,7 +176,8 @@ class Engine:
     self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": None}
     start = time.perf_counter()
     if callable(weights):
-      weights = weights(jax.devices()[0] if self._parallel is None else None)
+      limit = self._memory_limit or _device_memory_bytes(jax.local_devices()[0])
+      weights = weights(checkpoint_device(config, self.dtype, limit, e.tensor_parallel))
       self._load_seconds["checkpoint_read_s"] = time.perf_counter() - start
       start = time.perf_counter()
     if weights is None:

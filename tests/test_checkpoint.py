@@ -10,7 +10,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from cg_jax import Engine
-from models.hf import CheckpointError, load_checkpoint, mapped_tensors, save_checkpoint
+from cg_jax.engine import checkpoint_device
+from models.hf import (CheckpointError, config_from_hf, load_checkpoint, mapped_tensors,
+                       save_checkpoint)
 from tests.helpers import (RELATIVE_TOLERANCE, assert_close_relative, hf_gpt2_config,
                            hf_llama_config, random_tensors, write_checkpoint)
 
@@ -274,6 +276,18 @@ def test_weights_assembled_on_the_device_equal_the_hosts(tmp_path, variant, stor
     assert isinstance(array, jax.Array) and array.devices() == {device}, kind
     assert array.dtype == host[kind].dtype and array.shape == host[kind].shape, kind
     np.testing.assert_array_equal(np.asarray(array), host[kind], err_msg=kind)
+
+
+def test_checkpoint_assembled_on_the_device_only_where_both_fit():
+  """The device takes the stored tensors (float32 at most) beside the weights, or the host
+  assembles them (so too for tensor-parallel engines, which split them there)."""
+  config = config_from_hf(CONFIGS["llama"])
+  both = config.num_parameters() * (4 + 2)  # float32 tensors, bfloat16 weights
+  device = jax.devices()[0]
+  assert checkpoint_device(config, "bfloat16", None, 1) == device
+  assert checkpoint_device(config, "bfloat16", both, 1) == device
+  assert checkpoint_device(config, "bfloat16", both - 1, 1) is None
+  assert checkpoint_device(config, "bfloat16", None, 2) is None
 
 
 def test_a_bad_checkpoint_fails_before_the_device_gets_a_tensor(tmp_path, monkeypatch):
