@@ -61,7 +61,7 @@ def default_dtype() -> str:
 def checkpoint_device(config: DecoderConfig, dtype, limit: int | None, tensor_parallel: int):
   """Where `from_pretrained` assembles a checkpoint's weights (`models.hf.load_checkpoint`): on
   the first device when its memory (`limit` bytes; None: unknown) holds the stored tensors
-  (float32 at most) and the weights together, as it does until the assembly returns; else on
+  (counted as float32, the widest a checkpoint usually stores) and the weights together, as it does until the assembly returns; else on
   the host (None), as for a tensor-parallel engine, which splits them there."""
   device = jax.devices()[0]
   stored = config.num_parameters() * (4 + jnp.dtype(dtype).itemsize)
@@ -171,7 +171,7 @@ class Engine:
       self.executables.compile_behind(
           self.executables.builds(self.executable_keys(phases=compile_while_loading))[0])
     # Seconds of the start's phases before warm-up (`stats()`): reading the checkpoint (when
-    # `weights` is a function: onto the device unless tensor-parallel) and placing the weights
+    # `weights` is a function: onto the device where `checkpoint_device` says) and placing them
     # on the device (random ones made first; a tensor-parallel engine splits them).
     self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": None}
     start = time.perf_counter()
