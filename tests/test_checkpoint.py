@@ -279,7 +279,7 @@ def test_weights_assembled_on_the_device_equal_the_hosts(tmp_path, variant, stor
 
 
 def test_checkpoint_assembled_on_the_device_only_where_both_fit():
-  """The device takes the stored tensors (float32 at most) beside the weights, or the host
+  """The device takes the stored tensors (counted as float32) beside the weights, or the host
   assembles them (so too for tensor-parallel engines, which split them there)."""
   config = config_from_hf(CONFIGS["llama"])
   both = config.num_parameters() * (4 + 2)  # float32 tensors, bfloat16 weights
