@@ -61,13 +61,13 @@ def default_dtype() -> str:
 def checkpoint_device(config: DecoderConfig, dtype, limit: int | None, tensor_parallel: int):
   """Where `from_pretrained` assembles a checkpoint's weights (`models.hf.load_checkpoint`): on
   the first device when its memory (`limit` bytes; None: unknown) holds the stored tensors
-  (counted as float32, the widest a checkpoint usually stores) and the weights together, as it does until the assembly returns; else on
-  the host (None), as for a tensor-parallel engine, which splits them there."""
-  device = jax.devices()[0]
+  (counted as float32, the widest a checkpoint usually stores) and the weights together, as it
+  does until the assembly returns; else on the host (None), as for a tensor-parallel engine,
+  which splits them there."""
   stored = config.num_parameters() * (4 + jnp.dtype(dtype).itemsize)
   if tensor_parallel > 1 or (limit is not None and stored > limit):
     return None
-  return device
+  return jax.devices()[0]
 
 
 def _device_memory_bytes(device) -> int | None:
@@ -154,7 +154,10 @@ class Engine:
     self._options = dict(options) if given is None else given.options()
     e = engine_config
     self._parallel = TensorParallel.over(e.tensor_parallel) if e.tensor_parallel > 1 else None
-    self._check_memory(memory_limit_bytes)
+    # The device's memory: as given, else what it reports (None: unknown).
+    device_bytes = (memory_limit_bytes if memory_limit_bytes is not None
+                    else _device_memory_bytes(jax.local_devices()[0]))
+    self._check_memory(device_bytes)
     self.compilation_cache_dir = compile_stats.configure_compilation_cache(compilation_cache)
 
     mesh = None if self._parallel is None else self._parallel.mesh
@@ -176,8 +179,7 @@ class Engine:
     self._load_seconds = {"checkpoint_read_s": None, "weights_place_s": None}
     start = time.perf_counter()
     if callable(weights):
-      limit = self._memory_limit or _device_memory_bytes(jax.local_devices()[0])
-      weights = weights(checkpoint_device(config, self.dtype, limit, e.tensor_parallel))
+      weights = weights(checkpoint_device(config, self.dtype, device_bytes, e.tensor_parallel))
       self._load_seconds["checkpoint_read_s"] = time.perf_counter() - start
       start = time.perf_counter()
     if weights is None:
@@ -313,7 +315,6 @@ class Engine:
     # The paged cache: the rows' blocks, the prefix cache's and the scratch block.
     kv = cache_bytes(config, engine.num_blocks + 1, engine.prefix_block, self.dtype)
     weights = config.num_parameters() * self.dtype.itemsize
-    limit = limit if limit is not None else _device_memory_bytes(jax.local_devices()[0])
     # Per device, approximately: weights and cache over the devices (the replicated embeddings,
     # norms and LM head make the true share somewhat larger).
     kv, weights = kv // engine.tensor_parallel, weights // engine.tensor_parallel
