@@ -136,7 +136,8 @@ def patch_model(best: dict) -> None:
     def project(x, name, key, **kw):
       weight = st[name]
       config = best.get(key, rp.RowProjectionConfig())
-      if rp.supports(x.shape[0], weight.shape[1], weight.shape[2], config, kw.get("gated", False)):
+      if rp.supports(x.shape[0], weight.shape[1], weight.shape[2], config, kw.get("gated", False),
+                     kw.get("activation")):
         return rp.row_projection(x, weight, index, config=config, eps=c.norm_eps,
                                  interpret=INTERPRET, **kw)
       stacked_kw = {k: (v[w.index] if k in ("norm_scale", "norm_bias", "bias") and v is not None

@@ -42,10 +42,10 @@ from jax.experimental.pallas import triton as pltriton
 from cg_jax.kernels.blocks import MIN_DOT_DIM, is_power_of_two
 
 NORMS = (None, "rms", "layer")
-# The activations of the epilogue (models.decoder's, computed in float32 here).
+# The activations of the epilogue (models.decoder's, computed in float32 here); the exact GELU's
+# erfc has no Triton lowering.
 ACTIVATIONS = {
     "gelu_tanh": lambda u: jax.nn.gelu(u, approximate=True),
-    "gelu": lambda u: jax.nn.gelu(u, approximate=False),
     "silu": jax.nn.silu,
 }
 # The most rows a call takes: beyond them the product is a GEMM's (cuBLAS) ground.
@@ -104,10 +104,12 @@ def num_splits(inputs: int, column_blocks: int, config: RowProjectionConfig) -> 
 
 
 def supports(rows: int, inputs: int, outputs: int, config: RowProjectionConfig,
-             gated: bool = False) -> bool:
-  """Whether the kernel takes x [rows, inputs] @ w [inputs, outputs] (whole blocks only)."""
+             gated: bool = False, activation: str | None = None) -> bool:
+  """Whether the kernel takes x [rows, inputs] @ w [inputs, outputs] (whole blocks only) with
+  this activation."""
   columns = outputs // 2 if gated else outputs
   return (1 <= rows <= MAX_ROWS and inputs % config.block_k == 0
+          and (activation is None or activation in ACTIVATIONS)
           and columns % config.block_n == 0 and (not gated or outputs % 2 == 0))
 
 
