@@ -16,9 +16,11 @@ Results: results/row_projection_*.
 """
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -38,10 +40,9 @@ INTERPRET = jax.default_backend() != "gpu"  # (CPU smoke runs)
 OPTIONS = json.loads(os.environ.get("ENGINE_OPTIONS", "{}"))
 ROWS_LIMIT = int(os.environ.get("ROWS_LIMIT", "64"))
 CONFIGS = [rp.RowProjectionConfig(**kw) for kw in (
-    {}, {"block_n": 32}, {"block_n": 128}, {"block_n": 128, "num_warps": 8},
-    {"block_k": 256, "num_stages": 3}, {"block_k": 64}, {"num_stages": 3},
-    {"min_programs": 132}, {"min_programs": 528}, {"block_n": 32, "block_k": 256},
-    {"min_programs": 0})]
+    {}, {"block_k": 256, "num_stages": 3}, {"num_stages": 3}, {"min_programs": 132},
+    {"block_k": 64}, {"min_programs": 0}, {"block_k": 64, "min_programs": 528},
+    {"block_k": 256, "min_programs": 528, "num_stages": 2})]
 # name: (inputs, outputs, norm, gated, residual)
 SHAPES = {"qkv": (2048, 3072, True, False, False), "o": (2048, 2048, False, False, True),
           "gate_up": (2048, 16384, True, True, False), "down": (8192, 2048, False, False, True)}
@@ -130,13 +131,14 @@ def patch_model(best: dict) -> None:
     rows = batch * seq
     if not isinstance(w, LayerView) or shards != 1 or rows > ROWS_LIMIT:
       return original_layer(self, x, w, positions, kv, attend, shards)
+    kernel_for = os.environ.get("KERNEL_FOR", "qkv,o,gate_up,down").split(",")
     st, index = w.stacked, jnp.int32(w.index)
     norm = "layer" if c.uses_layernorm else "rms"
 
     def project(x, name, key, **kw):
       weight = st[name]
       config = best.get(key, rp.RowProjectionConfig())
-      if rp.supports(x.shape[0], weight.shape[1], weight.shape[2], config, kw.get("gated", False),
+      if key in kernel_for and rp.supports(x.shape[0], weight.shape[1], weight.shape[2], config, kw.get("gated", False),
                      kw.get("activation")):
         return rp.row_projection(x, weight, index, config=config, eps=c.norm_eps,
                                  interpret=INTERPRET, **kw)
@@ -164,6 +166,20 @@ def patch_model(best: dict) -> None:
   decoder.Decoder._layer = layer_fn
 
 
+def families(path, steps: int) -> dict:
+  """Device time per step (us) by kernel family (names without their numeric suffix)."""
+  events = profile._load_events(path)
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name}
+  totals = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e["pid"] in device and not re.search("memset|memcpy",
+                                                                      e.get("name", ""), re.I):
+      totals[re.sub(r"[._]\d+$", "", e["name"])] += float(e.get("dur", 0)) / steps
+  return {k: round(t, 1) for k, t in totals.most_common()}
+
+
 def engine_rows(model: str, label: str, batches, out: dict) -> list:
   start = time.perf_counter()
   engine = Engine.from_pretrained(model, max_seq_len=1024, **OPTIONS)
@@ -174,6 +190,8 @@ def engine_rows(model: str, label: str, batches, out: dict) -> list:
   for b in batches:
     row[f"step_us_b{b}"] = profile.time_decode(engine, b, position=512, steps=32,
                                                repeats=5)["step_us"]
+  _, trace = profile.profile_decode(engine, 1, position=512, steps=10)
+  row["kernels_b1"] = families(trace, 10)
   prompt = np.random.default_rng(0).integers(0, engine.model_config.vocab_size, 512).tolist()
   results = [engine.generate([prompt], 128, eos_token_id=[]) for _ in range(7)][2:]
   stats = [r.stats for r in results]
@@ -181,6 +199,8 @@ def engine_rows(model: str, label: str, batches, out: dict) -> list:
   row["b1_ttft_ms"] = statistics.median(s["ttft_s"] * 1e3 for s in stats)
   row["b1_tokens"] = list(results[0][0])
   out.setdefault("engine", []).append(row)
+  print("   B=1 kernels: " + ", ".join(f"{k[:40]} {t:.0f}" for k, t in
+                                      list(row["kernels_b1"].items())[:12]), flush=True)
   print(f"[{label}] ready {ready:.1f} s " + " ".join(
       f"B={b} {row[f'step_us_b{b}']:.1f}" for b in batches)
       + f" | B=1 generate {row['b1_per_token_us']:.1f} us/token, TTFT {row['b1_ttft_ms']:.2f} ms",
@@ -203,13 +223,14 @@ def main(model: str, path: str) -> None:
   if os.environ.get("ENGINE", "1") == "1":
     base = engine_rows(model, "xla", batches, out)
     patch_model(best)
-    new = engine_rows(model, "row_projection", batches, out)
-    out["same_tokens_b1"] = base["b1_tokens"] == new["b1_tokens"]
+    for kernel_for in os.environ.get("VARIANTS", "qkv,o,gate_up,down").split(";"):
+      os.environ["KERNEL_FOR"] = kernel_for
+      new = engine_rows(model, f"row_projection[{kernel_for}]", batches, out)
+      new["same_tokens_b1_as_xla"] = base["b1_tokens"] == new["b1_tokens"]
     for r in out["engine"]:
       r.pop("b1_tokens", None)
   with open(path, "w") as f:
     json.dump(out, f, indent=1)
-  print("same B=1 tokens:", out.get("same_tokens_b1"))
 
 
 if __name__ == "__main__":

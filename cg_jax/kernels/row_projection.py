@@ -11,17 +11,20 @@ no slice of the weights is copied first).
      output (of the gate and of the up half, [gate | up], for a gated w) over the inputs
      [s I/S, (s + 1) I/S). The M rows are padded to P = max(16, M rounded up to a power of
      two) (the Triton dot's minimum) by masked loads; nothing is padded outside.
-  2. Norm. RMSNorm (Llama: normalised in float32, cast to x's dtype, times the scale) or
-     LayerNorm (float32 throughout, with its bias) of each row over all I inputs: every program
-     reads its rows whole for the statistics (x is kilobytes; w is the stream).
+  2. Norm. RMSNorm is folded around the product: norm(x) @ w = (x * scale) @ w / rms(x) (the
+     row's 1 / rms is a factor of the whole row), so the loop that streams w multiplies x by the
+     scale and sums x's squares on the way, and the result is scaled at the end: no pass over x
+     before the stream starts. LayerNorm (float32, with its bias) needs the row's mean inside
+     the product: each program reads its rows whole for the statistics first.
   3. Splits. S > 1 when the column blocks alone would give fewer than `min_programs` programs:
      each program then writes float32 partials [S, M, O] and the epilogue runs in jnp over their
      sum (XLA fuses it into one small kernel); with S = 1 the program applies the epilogue and
      writes x's dtype.
 
-Rounding follows `models.decoder.projection`: the product rounded to x's dtype, then the bias,
-the activation and the residual each rounded to it as XLA's elementwise ops are. The product's
-float32 sum runs in another order than XLA's GEMM, so results agree within the dtype's
+Rounding follows `models.projections.projection` where it can: the product rounded to x's
+dtype, then the bias, the activation and the residual each rounded to it as XLA's elementwise
+ops are. The product's float32 sum runs in another order than XLA's GEMM, and RMSNorm's scaled
+row (rounded to x's dtype) is not Llama's normalised one, so results agree within the dtype's
 tolerance, not bit for bit; they depend on a row's own inputs only (no row's result depends on
 M or on the other rows).
 
@@ -113,9 +116,9 @@ def supports(rows: int, inputs: int, outputs: int, config: RowProjectionConfig,
           and columns % config.block_n == 0 and (not gated or outputs % 2 == 0))
 
 
-def _row_stats(x_ref, rows_ok, block_k: int, norm: str, eps: float):
-  """float32 (mean [P], rstd [P]) of each row of x [M, I] (mean 0 for RMSNorm), read in blocks
-  of block_k; rows past M get harmless values."""
+def _row_stats(x_ref, rows_ok, block_k: int, eps: float):
+  """LayerNorm's float32 (mean [P], rstd [P]) of each row of x [M, I], read in blocks of
+  block_k; rows past M get harmless values."""
   inputs = x_ref.shape[1]
   row = jnp.arange(rows_ok.shape[0])
 
@@ -126,10 +129,7 @@ def _row_stats(x_ref, rows_ok, block_k: int, norm: str, eps: float):
 
   count = inputs // block_k
   zeros = jnp.zeros(rows_ok.shape, jnp.float32)
-  if norm == "layer":
-    mean = lax.fori_loop(0, count, lambda i, s: s + jnp.sum(load(i), axis=1), zeros) / inputs
-  else:
-    mean = zeros
+  mean = lax.fori_loop(0, count, lambda i, s: s + jnp.sum(load(i), axis=1), zeros) / inputs
 
   def squares(i, s):
     centred = load(i) - mean[:, None]
@@ -143,14 +143,17 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, norm, has_bias: bool, has_residual: 
             activation, gated: bool, split: int, block_n: int, block_k: int, eps: float,
             precision):
   """One (column block, split) program; refs: [norm scale (, norm bias)], [bias], [residual],
-  out (x's dtype [M, O'], or float32 partials [S, M, O'] with S > 1)."""
+  out (x's dtype [M, O'], or float32 partials [S, M, O'] with S > 1, and for RMSNorm the
+  partial sums of squares [S, M])."""
   refs = list(refs)
+  squares_ref = refs.pop() if norm == "rms" and split > 1 else None
   out_ref = refs.pop()
   scale_ref = refs.pop(0) if norm else None
   shift_ref = refs.pop(0) if norm == "layer" else None
   bias_ref = refs.pop(0) if has_bias else None
   residual_ref = refs.pop(0) if has_residual else None
   rows = out_ref.shape[-2]
+  inputs = x_ref.shape[1]
   column_block, split_index = pl.program_id(0), pl.program_id(1)
   layer = layer_ref[0]
   dtype = x_ref.dtype
@@ -159,23 +162,25 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, norm, has_bias: bool, has_residual: 
   rows_ok = row < rows
   width = w_ref.shape[2] // 2 if gated else w_ref.shape[2]
   cols = column_block * block_n + jnp.arange(block_n)
-  if norm:
-    mean, rstd = _row_stats(x_ref, rows_ok, block_k, norm, eps)
-  per_split = x_ref.shape[1] // split
+  if norm == "layer":
+    mean, rstd = _row_stats(x_ref, rows_ok, block_k, eps)
+  per_split = inputs // split
   first = split_index * per_split
 
   def load_x(start):
-    inputs = start + jnp.arange(block_k)
-    x = pltriton.load(x_ref.at[row[:, None], inputs[None, :]], mask=rows_ok[:, None], other=0.0)
-    if norm == "rms":  # Llama: the normalised row cast back to x's dtype, then the scale
-      scale = pltriton.load(scale_ref.at[layer, pl.ds(start, block_k)])
-      x = (x.astype(jnp.float32) * rstd[:, None]).astype(dtype) * scale[None, :]
+    """x's block at `start` as the product takes it, and the float32 block (for RMSNorm's
+    sum of squares)."""
+    at = start + jnp.arange(block_k)
+    x = pltriton.load(x_ref.at[row[:, None], at[None, :]], mask=rows_ok[:, None], other=0.0)
+    x32 = x.astype(jnp.float32)
+    if norm == "rms":  # the scale here, the row's 1 / rms after the product
+      scale = pltriton.load(scale_ref.at[layer, pl.ds(start, block_k)]).astype(jnp.float32)
+      x = (x32 * scale[None, :]).astype(dtype)
     elif norm == "layer":
       scale = pltriton.load(scale_ref.at[layer, pl.ds(start, block_k)]).astype(jnp.float32)
       shift = pltriton.load(shift_ref.at[layer, pl.ds(start, block_k)]).astype(jnp.float32)
-      x = (((x.astype(jnp.float32) - mean[:, None]) * rstd[:, None]) * scale[None, :]
-           + shift[None, :]).astype(dtype)
-    return x
+      x = (((x32 - mean[:, None]) * rstd[:, None]) * scale[None, :] + shift[None, :]).astype(dtype)
+    return x, x32
 
   def product(x, start, offset):
     w = pltriton.load(w_ref.at[layer, pl.ds(start, block_k), pl.ds(offset, block_n)])
@@ -183,22 +188,32 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, norm, has_bias: bool, has_residual: 
     return lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
 
-  def body(i, accs):
+  def body(i, carry):
+    squares, *accs = carry
     start = first + i * block_k
-    x = load_x(start)
+    x, x32 = load_x(start)
     new = [accs[0] + product(x, start, column_block * block_n)]
     if gated:
       new.append(accs[1] + product(x, start, width + column_block * block_n))
-    return tuple(new)
+    if norm == "rms":
+      squares = squares + jnp.sum(x32 * x32, axis=1)
+    return (squares, *new)
 
   zeros = jnp.zeros((padded, block_n), jnp.float32)
-  accs = lax.fori_loop(0, per_split // block_k, body, (zeros, zeros) if gated else (zeros,))
+  squares, *accs = lax.fori_loop(0, per_split // block_k, body,
+                                 (jnp.zeros((padded,), jnp.float32), zeros)
+                                 + ((zeros,) if gated else ()))
   if split > 1:
     for part, acc in enumerate(accs):
       at = cols + part * width
       pltriton.store(out_ref.at[split_index, row[:, None], at[None, :]], acc,
                      mask=rows_ok[:, None])
+    if squares_ref is not None:
+      pltriton.store(squares_ref.at[split_index, row], squares,
+                     mask=rows_ok & (column_block == 0))
     return
+  if norm == "rms":
+    accs = [acc * lax.rsqrt(squares / inputs + eps)[:, None] for acc in accs]
   halves = []
   for part, acc in enumerate(accs):
     y = acc.astype(dtype)
@@ -292,9 +307,11 @@ def row_projection(x, w, layer, *, norm: str | None = None, norm_scale=None, nor
   operands = [layer, x, w] + [a for a in (norm_scale, norm_bias) if a is not None]
   if split == 1:
     operands += [a for a in (bias, residual) if a is not None]
-    out_shape = jax.ShapeDtypeStruct((rows, width), x.dtype)
+    out_shape = [jax.ShapeDtypeStruct((rows, width), x.dtype)]
   else:
-    out_shape = jax.ShapeDtypeStruct((split, rows, outputs), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((split, rows, outputs), jnp.float32)]
+    if norm == "rms":
+      out_shape.append(jax.ShapeDtypeStruct((split, rows), jnp.float32))
 
   def whole(shape):  # the whole array as every program's block (indexed in the kernel)
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
@@ -303,7 +320,7 @@ def row_projection(x, w, layer, *, norm: str | None = None, norm_scale=None, nor
       kernel,
       grid=(column_blocks, split),
       in_specs=[whole(a.shape) for a in operands],
-      out_specs=whole(out_shape.shape),
+      out_specs=[whole(a.shape) for a in out_shape],
       out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
@@ -311,9 +328,13 @@ def row_projection(x, w, layer, *, norm: str | None = None, norm_scale=None, nor
       name="row_projection",
   )(*operands)
   if split == 1:
-    return out
-  # [M, O]: the partials summed, then the epilogue as the one-split program applies it
-  y = jnp.sum(out, axis=0).astype(x.dtype)
+    return out[0]
+  # [M, O]: the partials summed (times each row's 1 / rms), then the epilogue as the one-split
+  # program applies it
+  y = jnp.sum(out[0], axis=0)
+  if norm == "rms":
+    y = y * lax.rsqrt(jnp.sum(out[1], axis=0) / inputs + eps)[:, None]
+  y = y.astype(x.dtype)
   if bias is not None:
     y = y + bias[layer[0]]
   y = _epilogue([y[:, :width], y[:, width:]] if gated else [y], activation, gated)
