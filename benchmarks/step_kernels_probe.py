@@ -1,0 +1,81 @@
+"""Decode steps of one source tree (given by PYTHONPATH) by kernel: step time at 1, 8, 32 and 64
+rows (`profile.time_decode`, position 512), device time per B=1 step by kernel and by kernel
+family (`profile.profile_decode`, 10 steps), B=1 `generate` per token (512-token prompt, 128 new,
+greedy, EOS off; 7 runs after 2), and for trees with a step table the optimized HLO of the
+8-token step. Trees without `wait_for_final_steps` (before the token-budgeted step, e.g.
+a7ac954) warm up one-row and eight-row executables of 512-token prompts.
+
+  PYTHONSAFEPATH=1 PYTHONPATH=TREE python3 benchmarks/step_kernels_probe.py LABEL MODEL_DIR OUT_DIR
+
+Results: results/split_combine_h100.*
+"""
+import collections
+import json
+import os
+import re
+import statistics
+import sys
+
+os.environ.setdefault("CG_JAX_COMPILATION_CACHE", "off")  # (each tree compiles its own)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from cg_jax import Engine, profile  # noqa: E402
+
+BATCHES = tuple(int(b) for b in os.environ.get("BATCHES", "1,8,32,64").split(","))
+PROFILED_STEPS = 10
+
+
+def kernel_times(path: str) -> tuple[dict, dict, float]:
+  """({kernel: [us per step, launches per step]}, {family: us per step}, launches per step)
+  of a decode-step trace; a family is a kernel name without its numeric suffix."""
+  events = profile._load_events(path)
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name}
+  time, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e["pid"] in device and not re.search(
+        "memset|memcpy", e.get("name", ""), re.I):
+      time[e["name"]] += float(e.get("dur", 0)) / PROFILED_STEPS
+      count[e["name"]] += 1
+  families = collections.Counter()
+  for name, t in time.items():
+    families[re.sub(r"[._]\d+$", "", name)] += t
+  kernels = {k: [round(t, 2), count[k] // PROFILED_STEPS] for k, t in time.most_common()}
+  return (kernels, {k: round(t, 1) for k, t in families.most_common()},
+          sum(count.values()) / PROFILED_STEPS)
+
+
+def main(label: str, model: str, out_dir: str) -> None:
+  engine = Engine.from_pretrained(model, max_seq_len=1024)
+  if hasattr(engine, "wait_for_final_steps"):
+    engine.warmup(progress=False)
+    engine.wait_for_final_steps(600)
+  else:
+    engine.warmup(batch_sizes=[1, 8], prompt_lengths=[512], progress=False)
+  row = {"label": label, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+  for b in BATCHES:
+    row[f"step_us_b{b}"] = profile.time_decode(engine, b, position=512, steps=32,
+                                               repeats=5)["step_us"]
+  _, path = profile.profile_decode(engine, 1, position=512, steps=PROFILED_STEPS)
+  row["kernels_b1"], row["families_b1"], row["launches_b1"] = kernel_times(path)
+  prompt = np.random.default_rng(0).integers(0, engine.model_config.vocab_size, 512).tolist()
+  stats = [engine.generate([prompt], 128, eos_token_id=[]).stats for _ in range(9)][2:]
+  row["b1_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
+  if hasattr(engine, "wait_for_final_steps"):
+    hlo = engine.executables.get(("step", 8)).as_text()
+    with open(os.path.join(out_dir, f"step8_{label}.hlo.txt"), "w") as f:
+      f.write(hlo)
+  with open(os.path.join(out_dir, f"step_kernels_{label}.json"), "w") as f:
+    json.dump(row, f, indent=1)
+  steps = " ".join(f"B={b} {row[f'step_us_b{b}']:.1f}" for b in BATCHES)
+  print(f"[{label}] {steps} | B=1 generate {row['b1_per_token_us']:.1f} us/token; "
+        f"{row['launches_b1']:.0f} kernels a B=1 step", flush=True)
+  print("   " + ", ".join(f"{k[:36]} {t}" for k, t in list(row["families_b1"].items())[:16]),
+        flush=True)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
