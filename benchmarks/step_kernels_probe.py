@@ -7,7 +7,7 @@ a7ac954) warm up one-row and eight-row executables of 512-token prompts.
 
   PYTHONSAFEPATH=1 PYTHONPATH=TREE python3 benchmarks/step_kernels_probe.py LABEL MODEL_DIR OUT_DIR
 
-Results: results/split_combine_h100.*
+Results: results/step_kernels_h100.*
 """
 import collections
 import json
