@@ -123,8 +123,9 @@ def test_a_stalled_client_delays_no_other_stream(served, engine):
   """A client that stops reading (a 2 KB receive buffer, nothing read) while its stream of six
   choices with log-probabilities (over 192 KB) is produced: other streams are answered
   meanwhile, in full and equal to the engine's; read afterwards, the stalled stream lost
-  nothing (every choice's tokens, its finish, [DONE]). (Four choices made 195-200 KB, less
-  when the front end coalesced the stalled stream's chunks: the size check failed once.)"""
+  nothing (every choice's tokens, its finish, [DONE]). (Four choices made about 196 KB, and
+  194,834 bytes in one CI run, below the size check: the front end coalesces a lagging
+  stream's chunks, so the framing varies.)"""
   body = {"model": "kjv", "prompt": [[5, 6, 7 + i] for i in range(6)], "max_tokens": 120,
           "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 5,
           "return_token_ids": True}
