@@ -1,13 +1,16 @@
-"""Decode steps of one source tree (given by PYTHONPATH) by kernel: step time at 1, 8, 32 and 64
-rows (`profile.time_decode`, position 512), device time per B=1 step by kernel and by kernel
-family (`profile.profile_decode`, 10 steps), B=1 `generate` per token (512-token prompt, 128 new,
-greedy, EOS off; 7 runs after 2), and for trees with a step table the optimized HLO of the
+"""One source tree (given by PYTHONPATH) at one row, as #32 / #33 compare trees: the time until
+its engine is ready, B=1 `generate` TTFT and per token (512-token prompt, 128 new, greedy, EOS
+off; 7 runs after 2, medians), decode steps at 1, 8, 32 and 64 rows (`profile.time_decode`,
+position 512), device time per B=1 step by kernel and by kernel family
+(`profile.profile_decode`, 10 steps), and for trees with a step table the optimized HLO of the
 8-token step. Trees without `wait_for_final_steps` (before the token-budgeted step, e.g.
-a7ac954) warm up one-row and eight-row executables of 512-token prompts.
+a7ac954) warm up one-row and eight-row executables of 512-token prompts; later ones warm up as
+`serve` does and wait for their own decode steps.
 
   PYTHONSAFEPATH=1 PYTHONPATH=TREE python3 benchmarks/step_kernels_probe.py LABEL MODEL_DIR OUT_DIR
 
-Results: results/step_kernels_h100.*
+Results: results/step_kernels_h100.*, results/b1_versions_h100.* (its `generate` part, then
+benchmarks/b1_versions_probe.py of 1a2ab51, which warmed up one-row executables only)
 """
 import collections
 import json
@@ -15,7 +18,9 @@ import os
 import re
 import statistics
 import sys
+import time
 
+START = time.perf_counter()
 os.environ.setdefault("CG_JAX_COMPILATION_CACHE", "off")  # (each tree compiles its own)
 
 import jax  # noqa: E402
@@ -55,7 +60,9 @@ def main(label: str, model: str, out_dir: str) -> None:
     engine.wait_for_final_steps(600)
   else:
     engine.warmup(batch_sizes=[1, 8], prompt_lengths=[512], progress=False)
-  row = {"label": label, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+  row = {"label": label, "model": os.path.basename(model.rstrip("/")),
+         "ready_s": round(time.perf_counter() - START, 1),
+         "device": jax.devices()[0].device_kind, "jax": jax.__version__}
   for b in BATCHES:
     row[f"step_us_b{b}"] = profile.time_decode(engine, b, position=512, steps=32,
                                                repeats=5)["step_us"]
@@ -63,6 +70,7 @@ def main(label: str, model: str, out_dir: str) -> None:
   row["kernels_b1"], row["families_b1"], row["launches_b1"] = kernel_times(path)
   prompt = np.random.default_rng(0).integers(0, engine.model_config.vocab_size, 512).tolist()
   stats = [engine.generate([prompt], 128, eos_token_id=[]).stats for _ in range(9)][2:]
+  row["b1_ttft_ms"] = statistics.median(s["ttft_s"] * 1e3 for s in stats)
   row["b1_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
   if hasattr(engine, "wait_for_final_steps"):
     hlo = engine.executables.get(("step", 8)).as_text()
@@ -71,7 +79,8 @@ def main(label: str, model: str, out_dir: str) -> None:
   with open(os.path.join(out_dir, f"step_kernels_{label}.json"), "w") as f:
     json.dump(row, f, indent=1)
   steps = " ".join(f"B={b} {row[f'step_us_b{b}']:.1f}" for b in BATCHES)
-  print(f"[{label}] {steps} | B=1 generate {row['b1_per_token_us']:.1f} us/token; "
+  print(f"[{label}] ready {row['ready_s']} s | {steps} | B=1 generate TTFT "
+        f"{row['b1_ttft_ms']:.2f} ms, {row['b1_per_token_us']:.1f} us/token; "
         f"{row['launches_b1']:.0f} kernels a B=1 step", flush=True)
   print("   " + ", ".join(f"{k[:36]} {t}" for k, t in list(row["families_b1"].items())[:16]),
         flush=True)
