@@ -29,8 +29,8 @@ QKV projection's output after RoPE), read in place: no slices of it are copied f
      values into their pages (the caches are aliased to the outputs): one writer per slot.
   4. Splits. Long caches are cut into splits of keys only while the programs would not fill the
      GPU (`min_programs`: small decode batches; prompt chunks keep one split); the partials are
-     combined in jnp (`_combine_splits`). With one split the
-     program normalises and writes the result itself.
+     merged by one more kernel (`cg_jax.kernels.split_combine`). With one split the program
+     normalises and writes the result itself.
   5. Decode steps (`decode_only`: one query token per sequence, token r of sequence r) skip the
      tile layout: one program per (sequence, KV head, split) reads its pages and folds the
      token's own key in elementwise (no second key loop), so a decode row's chain of dependent
@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cg_jax.kernels.blocks import MIN_DOT_DIM, check_split_config, is_power_of_two
+from cg_jax.kernels.split_combine import split_combine
 
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -197,30 +198,6 @@ def split_layout(tiles: int, kv_heads: int, positions: int,
   return split, pl.cdiv(positions, split)
 
 
-def _combine_splits(split_acc, split_max, split_denom):
-  """Merges per-split online-softmax partials into normalised outputs (plain jnp, which XLA
-  fuses): the max over splits, each split rescaled by exp(m_split - m_max), summed, and divided
-  by the summed denominator.
-
-  Args:
-    split_acc: float32 [..., splits, G, H] unnormalised sums of exp(score - split_max) * v.
-    split_max: float32 [..., splits, G] running maxima (-inf for a split with no valid key).
-    split_denom: float32 [..., splits, G] sums of exp(score - split_max) (0 for an empty split).
-  Returns:
-    float32 [..., G, H]; zeros where no split saw a valid key.
-  """
-  # [..., G]: a row with no valid key anywhere has max -inf; use 0 so exp(-inf - 0) = 0, not NaN.
-  global_max = jnp.max(split_max, axis=-2)
-  global_max = jnp.where(jnp.isfinite(global_max), global_max, 0.0)
-  # [..., splits, G]
-  split_weight = jnp.exp(split_max - global_max[..., None, :])
-  # [..., G]
-  denom = jnp.sum(split_denom * split_weight, axis=-2)
-  # [..., G, H]
-  acc = jnp.sum(split_acc * split_weight[..., None], axis=-3)
-  return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-
-
 def _online(carry, query, keys, values, sm_scale: float, visible=None):
   """The online-softmax update of (acc [rows, H], max [rows], denom [rows]) by one block of keys
   and values [block, H] for query [rows, H]; `visible` [rows, block] masks it (None: every row
@@ -275,7 +252,7 @@ def _cached_keys(carry, query, tables_ref, k_pages_ref, v_pages_ref, layer, seq,
 
 def _store(out_refs, carry, valid, stored, token_at, head_at, split_index) -> None:
   """A program's rows out: zeros for rows without a query token (not `valid`); with one split the
-  normalised output [A, N, H], else the partials for `_combine_splits` ([A, splits, N(, H)]).
+  normalised output [A, N, H], else the partials for `split_combine` ([A, splits, N(, H)]).
   Row i goes to token token_at[i], head head_at[i]; rows not `stored` are dropped."""
   acc, row_max, denom = carry
   acc = jnp.where(valid[:, None], acc, 0.0)
@@ -575,7 +552,7 @@ def ragged_paged_attention(qkv, k_pages, v_pages, layer, block_tables, seq_lens,
   if num_splits == 1:
     out_shape = [jax.ShapeDtypeStruct((tokens, heads, head_dim), qkv.dtype)]
   else:
-    # The partials with the splits beside the rows, as _combine_splits takes them.
+    # The partials with the splits beside the rows, as split_combine takes them.
     out_shape = [jax.ShapeDtypeStruct((tokens, num_splits, heads, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((tokens, num_splits, heads), jnp.float32),
                  jax.ShapeDtypeStruct((tokens, num_splits, heads), jnp.float32)]
@@ -595,10 +572,8 @@ def ragged_paged_attention(qkv, k_pages, v_pages, layer, block_tables, seq_lens,
       name="ragged_paged_attention",
   )(*operands)
   if num_splits == 1:
-    out = result[0]
-  else:
-    out = _combine_splits(*result)
-  return out.astype(qkv.dtype), k_pages, v_pages
+    return result[0], k_pages, v_pages
+  return split_combine(*result, dtype=qkv.dtype, interpret=interpret), k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",), donate_argnames=("k_pages", "v_pages"))
