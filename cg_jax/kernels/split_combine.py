@@ -8,7 +8,8 @@ division. As jnp ops XLA runs it as three small kernels per layer (the max and t
 denominators, the outputs), each a launch on a decode step's critical path; here it is one:
 
   One program per (token, block of `block_heads` query heads) loads the splits' partials of its
-  heads whole ([S_pad, Nb H], the splits padded to a power of two by masked loads), reduces them
+  heads whole ([splits, heads x H] tiles, the splits padded to a power of two by masked
+  loads), reduces them
   over the splits and writes the block's outputs in the result's dtype. Rows with no valid key
   in any split (maximum -inf everywhere) get zeros.
 
@@ -50,10 +51,10 @@ class SplitCombineConfig:
 
 
 def _kernel(acc_ref, max_ref, denom_ref, out_ref, *, block_heads: int, padded_splits: int):
-  """One (token, head block) program: partials [S, N(, H)] of one token -> out [Nb, H]."""
+  """One (token, head block) program: one token's partials [splits, N(, H)] -> out [block, H]."""
   token, head_block = pl.program_id(0), pl.program_id(1)
   splits, heads, head_dim = acc_ref.shape[1:]
-  # [S_pad, Nb H]: split s, head head0 + c // H, dim c % H
+  # [splits (padded), block x H]: split s; column c is head (first + c // H), dim c % H
   split = jnp.arange(padded_splits)[:, None]
   column = jnp.arange(block_heads * head_dim)[None, :]
   head = head_block * block_heads + column // head_dim
@@ -62,7 +63,8 @@ def _kernel(acc_ref, max_ref, denom_ref, out_ref, *, block_heads: int, padded_sp
   split_max = pltriton.load(max_ref.at[token, split, head], mask=valid, other=-jnp.inf)
   split_denom = pltriton.load(denom_ref.at[token, split, head], mask=valid, other=0.0)
   split_acc = pltriton.load(acc_ref.at[token, split, head, dim], mask=valid, other=0.0)
-  # [Nb H]: a row with no valid key anywhere has max -inf; 0 keeps exp(-inf - 0) = 0, not NaN
+  # [block x H]: a row with no valid key anywhere has max -inf; 0 keeps exp(-inf - 0) = 0, not
+  # NaN
   top = jnp.max(split_max, axis=0)
   top = jnp.where(top > -jnp.inf, top, 0.0)
   weight = jnp.exp(split_max - top[None, :])
@@ -78,9 +80,9 @@ def split_combine(split_acc, split_max, split_denom, *, dtype,
   """Merges per-split online-softmax partials into normalised outputs.
 
   Args:
-    split_acc: float32 [A, S, N, H] unnormalised sums of exp(score - split_max) * v.
-    split_max: float32 [A, S, N] running maxima (-inf for a split with no valid key).
-    split_denom: float32 [A, S, N] sums of exp(score - split_max) (0 for an empty split).
+    split_acc: float32 [A, splits, N, H] unnormalised sums of exp(score - split_max) * v.
+    split_max: float32 [A, splits, N] running maxima (-inf for a split with no valid key).
+    split_denom: float32 [A, splits, N] sums of exp(score - split_max) (0 for an empty split).
     dtype: the result's dtype.
     config: launch settings; interpret: run in the Pallas interpreter (CPU tests).
   Returns:
@@ -88,7 +90,8 @@ def split_combine(split_acc, split_max, split_denom, *, dtype,
   """
   tokens, splits, heads, head_dim = split_acc.shape
   if split_max.shape != (tokens, splits, heads) or split_denom.shape != split_max.shape:
-    raise ValueError(f"split_max and split_denom must be [A, S, N] of split_acc [A, S, N, H]; "
+    raise ValueError(f"split_max and split_denom must be [A, splits, N] of split_acc "
+                     f"[A, splits, N, H]; "
                      f"got {tuple(split_acc.shape)}, {tuple(split_max.shape)}, "
                      f"{tuple(split_denom.shape)}")
   if not is_power_of_two(head_dim):
@@ -115,11 +118,11 @@ def split_combine(split_acc, split_max, split_denom, *, dtype,
 
 
 def split_combine_reference(split_acc, split_max, split_denom, *, dtype):
-  """`split_combine` in plain jnp (any leading dims: [..., S, N, H] partials)."""
+  """`split_combine` in plain jnp (any leading dims: [..., splits, N, H] partials)."""
   # [..., N]
   top = jnp.max(split_max, axis=-2)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
-  # [..., S, N]
+  # [..., splits, N]
   weight = jnp.exp(split_max - top[..., None, :])
   # [..., N]
   denom = jnp.sum(split_denom * weight, axis=-2)
