@@ -35,11 +35,12 @@ class SplitCombineConfig:
 
   Attributes:
     block_heads: query heads per program (a power of two; clamped to the heads, rounded up to
-      a power of two).
+      a power of two). Two, not eight: more programs with smaller tiles merged small decode
+      steps' partials faster (benchmarks/results/split_combine_h100.md).
     num_warps: Triton launch setting.
   """
 
-  block_heads: int = 8
+  block_heads: int = 2
   num_warps: int = 4
 
   def __post_init__(self):
