@@ -8,10 +8,9 @@ division. As jnp ops XLA runs it as three small kernels per layer (the max and t
 denominators, the outputs), each a launch on a decode step's critical path; here it is one:
 
   One program per (token, block of `block_heads` query heads) loads the splits' partials of its
-  heads whole ([splits, heads x H] tiles, the splits padded to a power of two by masked
-  loads), reduces them
-  over the splits and writes the block's outputs in the result's dtype. Rows with no valid key
-  in any split (maximum -inf everywhere) get zeros.
+  heads whole ([splits, heads x H] tiles, the splits padded to a power of two by masked loads),
+  reduces them over the splits and writes the block's outputs in the result's dtype. Rows with
+  no valid key in any split (maximum -inf everywhere) get zeros.
 
 `split_combine_reference` is the same computation in plain jnp (tests; it is what ran before).
 """
