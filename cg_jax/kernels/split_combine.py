@@ -63,8 +63,7 @@ def _kernel(acc_ref, max_ref, denom_ref, out_ref, *, block_heads: int, padded_sp
   split_max = pltriton.load(max_ref.at[token, split, head], mask=valid, other=-jnp.inf)
   split_denom = pltriton.load(denom_ref.at[token, split, head], mask=valid, other=0.0)
   split_acc = pltriton.load(acc_ref.at[token, split, head, dim], mask=valid, other=0.0)
-  # [block x H]: a row with no valid key anywhere has max -inf; 0 keeps exp(-inf - 0) = 0, not
-  # NaN
+  # [block x H]; a row with no valid key anywhere has max -inf: 0 keeps exp(-inf - 0) = 0
   top = jnp.max(split_max, axis=0)
   top = jnp.where(top > -jnp.inf, top, 0.0)
   weight = jnp.exp(split_max - top[None, :])
