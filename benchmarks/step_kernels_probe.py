@@ -10,8 +10,10 @@ a7ac954) warm up one-row and eight-row executables of 512-token prompts; later o
   PYTHONSAFEPATH=1 PYTHONPATH=TREE python3 benchmarks/step_kernels_probe.py LABEL MODEL_DIR OUT_DIR
 
 Environment: BATCHES (the step rows, default 1,8,32,64); THROUGHPUT=N adds #33's offline
-workload through `generate` (N prompts of 64-480 random tokens, 128 new; trees with the
-token-budgeted step); STEP_HLO=0 skips the HLO file.
+workload as `bench throughput --client generate` runs it (N prompts of 64-480 random tokens,
+128 new; median of three seeds; trees with the token-budgeted step); STEP_HLO=0 skips the HLO
+file. (results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then
+three timed `generate` calls.)
 
 Results: results/step_kernels_h100.*, results/b1_versions_h100.* (its `generate` part, then
 benchmarks/b1_versions_probe.py of 1a2ab51, which warmed up one-row executables only)
@@ -79,17 +81,16 @@ def main(label: str, model: str, out_dir: str) -> None:
   stats = [engine.generate([prompt], 128, eos_token_id=[]).stats for _ in range(9)][2:]
   row["b1_ttft_ms"] = statistics.median(s["ttft_s"] * 1e3 for s in stats)
   row["b1_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
+  rate_key = f"throughput_{THROUGHPUT}_tok_s"
   if THROUGHPUT and hasattr(engine, "wait_for_final_steps"):
-    # #33's offline workload through `generate`: THROUGHPUT prompts of 64-480 random tokens,
-    # 128 new each; an unmeasured pass, then three prompt sets (no prefix-cache hits)
+    # #33's offline workload as `bench throughput --client generate` runs it (THROUGHPUT
+    # prompts of 64-480 random tokens, 128 new each, after an unmeasured pass), three seeds
     rates = []
-    for seed in range(4):
-      prompts, _, _ = throughput.requests(THROUGHPUT, (64, 480), math.inf, seed,
-                                          engine.model_config.vocab_size)
-      start = time.perf_counter()
-      result = engine.generate(prompts, 128, eos_token_id=[])
-      rates.append(sum(len(t) for t in result) / (time.perf_counter() - start))
-    row[f"throughput_{THROUGHPUT}_tok_s"] = round(statistics.median(rates[1:]))
+    for seed in range(3):
+      prompts, _, unmeasured = throughput.requests(THROUGHPUT, (64, 480), math.inf, seed,
+                                                   engine.model_config.vocab_size)
+      rates.append(throughput._generate(engine, prompts, unmeasured, 128)["tokens_per_s"])
+    row[rate_key] = round(statistics.median(rates))
   if hasattr(engine, "wait_for_final_steps") and os.environ.get("STEP_HLO", "1") == "1":
     hlo = engine.executables.get(("step", 8)).as_text()
     with open(os.path.join(out_dir, f"step8_{label}.hlo.txt"), "w") as f:
@@ -100,8 +101,8 @@ def main(label: str, model: str, out_dir: str) -> None:
   print(f"[{label}] ready {row['ready_s']} s | {steps} | B=1 generate TTFT "
         f"{row['b1_ttft_ms']:.2f} ms, {row['b1_per_token_us']:.1f} us/token; "
         f"{row['launches_b1']:.0f} kernels a B=1 step"
-        + (f"; {THROUGHPUT} requests {row[f'throughput_{THROUGHPUT}_tok_s']} tok/s"
-           if f"throughput_{THROUGHPUT}_tok_s" in row else ""), flush=True)
+        + (f"; {THROUGHPUT} requests {row[rate_key]} tok/s" if rate_key in row else ""),
+        flush=True)
   print("   " + ", ".join(f"{k[:36]} {t}" for k, t in list(row["families_b1"].items())[:16]),
         flush=True)
 
