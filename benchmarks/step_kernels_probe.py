@@ -9,10 +9,11 @@ a7ac954) warm up one-row and eight-row executables of 512-token prompts; later o
 
   PYTHONSAFEPATH=1 PYTHONPATH=TREE python3 benchmarks/step_kernels_probe.py LABEL MODEL_DIR OUT_DIR
 
-Environment: BATCHES (the step rows, default 1,8,32,64); THROUGHPUT=N adds #33's offline
+Environment: BATCHES (the step rows, default 1,8,32,64); THROUGHPUT=N[,N2..] adds #33's offline
 workload as `bench throughput --client generate` runs it (N prompts of 64-480 random tokens,
-128 new; median of three seeds; trees with the token-budgeted step); STEP_HLO=0 skips the HLO
-file. (results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then
+128 new; median of three seeds; trees with the token-budgeted step), and PROFILE_THROUGHPUT=1
+one more run of it under the profiler (GPU-busy time against the wall, kernels by family);
+PROFILE_ROWS (default 1) the rows of the profiled steps; STEP_HLO=0 skips the HLO file. (results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then
 three timed `generate` calls.)
 
 Results: results/step_kernels_h100.*, results/b1_versions_h100.* (its `generate` part, then
@@ -37,13 +38,14 @@ from cg_jax import Engine, profile  # noqa: E402
 from cg_jax.bench import throughput  # noqa: E402
 
 BATCHES = tuple(int(b) for b in os.environ.get("BATCHES", "1,8,32,64").split(","))
-THROUGHPUT = int(os.environ.get("THROUGHPUT", "0"))
+PROFILE_ROWS = tuple(int(b) for b in os.environ.get("PROFILE_ROWS", "1").split(","))
+THROUGHPUT = tuple(int(n) for n in os.environ.get("THROUGHPUT", "").split(",") if n and int(n))
 PROFILED_STEPS = 10
 
 
-def kernel_times(path: str) -> tuple[dict, dict, float]:
+def kernel_times(path: str, steps: int = PROFILED_STEPS) -> tuple[dict, dict, float]:
   """({kernel: [us per step, launches per step]}, {family: us per step}, launches per step)
-  of a decode-step trace; a family is a kernel name without its numeric suffix."""
+  of a trace of `steps` steps; a family is a kernel name without its numeric suffix."""
   events = profile._load_events(path)
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -52,14 +54,25 @@ def kernel_times(path: str) -> tuple[dict, dict, float]:
   for e in events:
     if e.get("ph") == "X" and e["pid"] in device and not re.search(
         "memset|memcpy", e.get("name", ""), re.I):
-      time[e["name"]] += float(e.get("dur", 0)) / PROFILED_STEPS
+      time[e["name"]] += float(e.get("dur", 0)) / steps
       count[e["name"]] += 1
   families = collections.Counter()
   for name, t in time.items():
     families[re.sub(r"[._]\d+$", "", name)] += t
-  kernels = {k: [round(t, 2), count[k] // PROFILED_STEPS] for k, t in time.most_common()}
+  kernels = {k: [round(t, 2), count[k] // steps] for k, t in time.most_common()}
   return (kernels, {k: round(t, 1) for k, t in families.most_common()},
-          sum(count.values()) / PROFILED_STEPS)
+          sum(count.values()) / steps)
+
+
+def device_busy_ms(path: str) -> float:
+  """Milliseconds in which at least one kernel ran on the GPU in a trace."""
+  events = profile._load_events(path)
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name}
+  spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+           if e.get("ph") == "X" and e["pid"] in device]
+  return profile._union_length(spans) / 1e3
 
 
 def main(label: str, model: str, out_dir: str) -> None:
@@ -75,22 +88,43 @@ def main(label: str, model: str, out_dir: str) -> None:
   for b in BATCHES:
     row[f"step_us_b{b}"] = profile.time_decode(engine, b, position=512, steps=32,
                                                repeats=5)["step_us"]
-  _, path = profile.profile_decode(engine, 1, position=512, steps=PROFILED_STEPS)
-  row["kernels_b1"], row["families_b1"], row["launches_b1"] = kernel_times(path)
+  for b in PROFILE_ROWS:
+    _, path = profile.profile_decode(engine, b, position=512, steps=PROFILED_STEPS)
+    row[f"kernels_b{b}"], row[f"families_b{b}"], row[f"launches_b{b}"] = kernel_times(path)
   prompt = np.random.default_rng(0).integers(0, engine.model_config.vocab_size, 512).tolist()
   stats = [engine.generate([prompt], 128, eos_token_id=[]).stats for _ in range(9)][2:]
   row["b1_ttft_ms"] = statistics.median(s["ttft_s"] * 1e3 for s in stats)
   row["b1_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
-  rate_key = f"throughput_{THROUGHPUT}_tok_s"
-  if THROUGHPUT and hasattr(engine, "wait_for_final_steps"):
-    # #33's offline workload as `bench throughput --client generate` runs it (THROUGHPUT
-    # prompts of 64-480 random tokens, 128 new each, after an unmeasured pass), three seeds
+  for count in THROUGHPUT if hasattr(engine, "wait_for_final_steps") else ():
+    # #33's offline workload as `bench throughput --client generate` runs it (`count` prompts
+    # of 64-480 random tokens, 128 new each, after an unmeasured pass), three seeds
     rates = []
     for seed in range(3):
-      prompts, _, unmeasured = throughput.requests(THROUGHPUT, (64, 480), math.inf, seed,
+      prompts, _, unmeasured = throughput.requests(count, (64, 480), math.inf, seed,
                                                    engine.model_config.vocab_size)
       rates.append(throughput._generate(engine, prompts, unmeasured, 128)["tokens_per_s"])
-    row[rate_key] = round(statistics.median(rates))
+    row[f"throughput_{count}_tok_s"] = round(statistics.median(rates))
+    if os.environ.get("PROFILE_THROUGHPUT") == "1" and count == THROUGHPUT[0]:
+      # one more timed generate of the first prompt set under the profiler: GPU-busy time
+      # against the wall, and the kernels of the whole run by family (ms, not per step)
+      prompts, _, _ = throughput.requests(count, (64, 480), math.inf, 0,
+                                          engine.model_config.vocab_size)
+      logdir = os.path.join("/tmp", f"tp_trace_{label}")
+      with jax.profiler.trace(logdir):
+        start = time.perf_counter()
+        engine.generate(prompts, 128, eos_token_id=[])
+        wall = time.perf_counter() - start
+      path = profile.find_trace(logdir)
+      _, families, launches = kernel_times(path, steps=1)
+      modules = collections.Counter()
+      for e in profile._load_events(path):
+        if e.get("ph") == "X" and "hlo_module" in e.get("args", {}):
+          modules[e["args"]["hlo_module"]] += float(e.get("dur", 0)) / 1e3
+      row[f"throughput_{count}_profile"] = {
+          "wall_ms": round(wall * 1e3, 1), "gpu_busy_ms": round(device_busy_ms(path), 1),
+          "kernels": launches,
+          "modules_ms": {k: round(v, 1) for k, v in modules.most_common(12)},
+          "families_ms": {k: round(v / 1e3, 2) for k, v in list(families.items())[:24]}}
   if hasattr(engine, "wait_for_final_steps") and os.environ.get("STEP_HLO", "1") == "1":
     hlo = engine.executables.get(("step", 8)).as_text()
     with open(os.path.join(out_dir, f"step8_{label}.hlo.txt"), "w") as f:
@@ -101,10 +135,13 @@ def main(label: str, model: str, out_dir: str) -> None:
   print(f"[{label}] ready {row['ready_s']} s | {steps} | B=1 generate TTFT "
         f"{row['b1_ttft_ms']:.2f} ms, {row['b1_per_token_us']:.1f} us/token; "
         f"{row['launches_b1']:.0f} kernels a B=1 step"
-        + (f"; {THROUGHPUT} requests {row[rate_key]} tok/s" if rate_key in row else ""),
-        flush=True)
-  print("   " + ", ".join(f"{k[:36]} {t}" for k, t in list(row["families_b1"].items())[:16]),
-        flush=True)
+        + "".join(f"; {n} requests {row[f'throughput_{n}_tok_s']} tok/s" for n in THROUGHPUT
+                  if f"throughput_{n}_tok_s" in row), flush=True)
+  for b in PROFILE_ROWS:
+    print(f"   B={b}: " + ", ".join(f"{k[:36]} {t}" for k, t in list(row[f"families_b{b}"].items())[:16]),
+          flush=True)
+  for key in [k for k in row if k.endswith("_profile")]:
+    print(f"   {key}: {row[key]}", flush=True)
 
 
 if __name__ == "__main__":
