@@ -1,7 +1,7 @@
 """One source tree (given by PYTHONPATH) at one row, as #32 / #33 compare trees: the time until
-its engine is ready, B=1 `generate` TTFT and per token (512-token prompt, 128 new, greedy, EOS
-off; 7 runs after 2, medians), decode steps at 1, 8, 32 and 64 rows (`profile.time_decode`,
-position 512), device time per B=1 step by kernel and by kernel family
+its engine is ready, B=1 `generate` TTFT and per token (a fresh 512-token prompt each run, 128
+new, greedy, EOS off; 7 runs after 2, medians), decode steps at 1, 8, 32 and 64 rows
+(`profile.time_decode`, position 512), device time per step by kernel and by kernel family
 (`profile.profile_decode`, 10 steps), and for trees with a step table the optimized HLO of the
 8-token step. Trees without `wait_for_final_steps` (before the token-budgeted step, e.g.
 a7ac954) warm up one-row and eight-row executables of 512-token prompts; later ones warm up as
@@ -9,15 +9,17 @@ a7ac954) warm up one-row and eight-row executables of 512-token prompts; later o
 
   PYTHONSAFEPATH=1 PYTHONPATH=TREE python3 benchmarks/step_kernels_probe.py LABEL MODEL_DIR OUT_DIR
 
-Environment: BATCHES (the step rows, default 1,8,32,64); THROUGHPUT=N[,N2..] adds #33's offline
-workload as `bench throughput --client generate` runs it (N prompts of 64-480 random tokens,
-128 new; median of three seeds; trees with the token-budgeted step), and PROFILE_THROUGHPUT=1
-one more run of it under the profiler (GPU-busy time against the wall, kernels by family);
-PROFILE_ROWS (default 1) the rows of the profiled steps; STEP_HLO=0 skips the HLO file. (results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then
-three timed `generate` calls.)
+Environment: BATCHES (the step rows, default 1,8,32,64); PROFILE_ROWS (default 1) the rows of
+the profiled steps; THROUGHPUT=N[,N2..] adds #33's offline workload as `bench throughput
+--client generate` runs it (N prompts of 64-480 random tokens, 128 new; median of three seeds;
+trees with the token-budgeted step), and PROFILE_THROUGHPUT=1 one more run of the first N under
+the profiler (GPU-busy time against the wall, kernels by family and by executable); STEP_HLO=0
+skips the HLO file. (results/split_combine_h100.* came from c33959b's form: one unmeasured
+prompt set, then three timed `generate` calls. Until 2026-12-07 the B=1 rows repeated one
+prompt, so their TTFT after the first run was a prefix-cache hit of seven of its eight pages.)
 
-Results: results/step_kernels_h100.*, results/b1_versions_h100.* (its `generate` part, then
-benchmarks/b1_versions_probe.py of 1a2ab51, which warmed up one-row executables only)
+Results: results/step_kernels_h100.*, results/b1_versions_h100.*, results/split_combine_*,
+results/wide_decode_h100.*
 """
 import collections
 import json
@@ -91,8 +93,10 @@ def main(label: str, model: str, out_dir: str) -> None:
   for b in PROFILE_ROWS:
     _, path = profile.profile_decode(engine, b, position=512, steps=PROFILED_STEPS)
     row[f"kernels_b{b}"], row[f"families_b{b}"], row[f"launches_b{b}"] = kernel_times(path)
-  prompt = np.random.default_rng(0).integers(0, engine.model_config.vocab_size, 512).tolist()
-  stats = [engine.generate([prompt], 128, eos_token_id=[]).stats for _ in range(9)][2:]
+  # a fresh prompt each run: a repeated one would hit the prefix cache (the first seven pages)
+  rng = np.random.default_rng(0)
+  stats = [engine.generate([rng.integers(0, engine.model_config.vocab_size, 512).tolist()], 128,
+                           eos_token_id=[]).stats for _ in range(9)][2:]
   row["b1_ttft_ms"] = statistics.median(s["ttft_s"] * 1e3 for s in stats)
   row["b1_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
   for count in THROUGHPUT if hasattr(engine, "wait_for_final_steps") else ():
@@ -105,10 +109,12 @@ def main(label: str, model: str, out_dir: str) -> None:
       rates.append(throughput._generate(engine, prompts, unmeasured, 128)["tokens_per_s"])
     row[f"throughput_{count}_tok_s"] = round(statistics.median(rates))
     if os.environ.get("PROFILE_THROUGHPUT") == "1" and count == THROUGHPUT[0]:
-      # one more timed generate of the first prompt set under the profiler: GPU-busy time
-      # against the wall, and the kernels of the whole run by family (ms, not per step)
-      prompts, _, _ = throughput.requests(count, (64, 480), math.inf, 0,
-                                          engine.model_config.vocab_size)
+      # one more run under the profiler, of prompts no earlier run had (no prefix-cache hit),
+      # after its own unmeasured pass: GPU-busy time against the wall, and the kernels of the
+      # whole run by family (ms, not per step)
+      prompts, _, unmeasured = throughput.requests(count, (64, 480), math.inf, 3,
+                                                   engine.model_config.vocab_size)
+      engine.generate(unmeasured, 128, eos_token_id=[])
       logdir = os.path.join("/tmp", f"tp_trace_{label}")
       with jax.profiler.trace(logdir):
         start = time.perf_counter()
@@ -134,7 +140,7 @@ def main(label: str, model: str, out_dir: str) -> None:
   steps = " ".join(f"B={b} {row[f'step_us_b{b}']:.1f}" for b in BATCHES)
   print(f"[{label}] ready {row['ready_s']} s | {steps} | B=1 generate TTFT "
         f"{row['b1_ttft_ms']:.2f} ms, {row['b1_per_token_us']:.1f} us/token; "
-        f"{row['launches_b1']:.0f} kernels a B=1 step"
+        f"{row.get('launches_b1', 0):.0f} kernels a B=1 step"
         + "".join(f"; {n} requests {row[f'throughput_{n}_tok_s']} tok/s" for n in THROUGHPUT
                   if f"throughput_{n}_tok_s" in row), flush=True)
   for b in PROFILE_ROWS:
