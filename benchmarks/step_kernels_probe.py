@@ -45,36 +45,30 @@ THROUGHPUT = tuple(int(n) for n in os.environ.get("THROUGHPUT", "").split(",") i
 PROFILED_STEPS = 10
 
 
-def kernel_times(path: str, steps: int = PROFILED_STEPS) -> tuple[dict, dict, float]:
-  """({kernel: [us per step, launches per step]}, {family: us per step}, launches per step)
-  of a trace of `steps` steps; a family is a kernel name without its numeric suffix."""
+def device_kernels(path: str) -> list[dict]:
+  """The GPU's kernel events ("X") of a trace."""
   events = profile._load_events(path)
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   device = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name}
+  return [e for e in events if e.get("ph") == "X" and e["pid"] in device]
+
+
+def kernel_times(kernels: list[dict], steps: int = PROFILED_STEPS) -> tuple[dict, dict, float]:
+  """({kernel: [us per step, launches per step]}, {family: us per step}, launches per step)
+  of the kernel events of `steps` steps, copies left out; a family is a kernel name without its
+  numeric suffix."""
   time, count = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and e["pid"] in device and not re.search(
-        "memset|memcpy", e.get("name", ""), re.I):
+  for e in kernels:
+    if not re.search("memset|memcpy", e.get("name", ""), re.I):
       time[e["name"]] += float(e.get("dur", 0)) / steps
       count[e["name"]] += 1
   families = collections.Counter()
   for name, t in time.items():
     families[re.sub(r"[._]\d+$", "", name)] += t
-  kernels = {k: [round(t, 2), count[k] // steps] for k, t in time.most_common()}
-  return (kernels, {k: round(t, 1) for k, t in families.most_common()},
+  by_kernel = {k: [round(t, 2), count[k] // steps] for k, t in time.most_common()}
+  return (by_kernel, {k: round(t, 1) for k, t in families.most_common()},
           sum(count.values()) / steps)
-
-
-def device_busy_ms(path: str) -> float:
-  """Milliseconds in which at least one kernel ran on the GPU in a trace."""
-  events = profile._load_events(path)
-  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  device = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name}
-  spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-           if e.get("ph") == "X" and e["pid"] in device]
-  return profile._union_length(spans) / 1e3
 
 
 def main(label: str, model: str, out_dir: str) -> None:
@@ -92,7 +86,8 @@ def main(label: str, model: str, out_dir: str) -> None:
                                                repeats=5)["step_us"]
   for b in PROFILE_ROWS:
     _, path = profile.profile_decode(engine, b, position=512, steps=PROFILED_STEPS)
-    row[f"kernels_b{b}"], row[f"families_b{b}"], row[f"launches_b{b}"] = kernel_times(path)
+    row[f"kernels_b{b}"], row[f"families_b{b}"], row[f"launches_b{b}"] = kernel_times(
+        device_kernels(path))
   # a fresh prompt each run: a repeated one would hit the prefix cache (the first seven pages)
   rng = np.random.default_rng(0)
   stats = [engine.generate([rng.integers(0, engine.model_config.vocab_size, 512).tolist()], 128,
@@ -120,14 +115,16 @@ def main(label: str, model: str, out_dir: str) -> None:
         start = time.perf_counter()
         engine.generate(prompts, 128, eos_token_id=[])
         wall = time.perf_counter() - start
-      path = profile.find_trace(logdir)
-      _, families, launches = kernel_times(path, steps=1)
-      modules = collections.Counter()
-      for e in profile._load_events(path):
-        if e.get("ph") == "X" and "hlo_module" in e.get("args", {}):
+      kernels = device_kernels(profile.find_trace(logdir))
+      _, families, launches = kernel_times(kernels, steps=1)
+      busy = profile._union_length([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+                                    for e in kernels])
+      modules = collections.Counter()  # kernel time by executable (overlaps counted twice)
+      for e in kernels:
+        if "hlo_module" in e.get("args", {}):
           modules[e["args"]["hlo_module"]] += float(e.get("dur", 0)) / 1e3
       row[f"throughput_{count}_profile"] = {
-          "wall_ms": round(wall * 1e3, 1), "gpu_busy_ms": round(device_busy_ms(path), 1),
+          "wall_ms": round(wall * 1e3, 1), "gpu_busy_ms": round(busy / 1e3, 1),
           "kernels": launches,
           "modules_ms": {k: round(v, 1) for k, v in modules.most_common(12)},
           "families_ms": {k: round(v / 1e3, 2) for k, v in list(families.items())[:24]}}
@@ -144,8 +141,8 @@ def main(label: str, model: str, out_dir: str) -> None:
         + "".join(f"; {n} requests {row[f'throughput_{n}_tok_s']} tok/s" for n in THROUGHPUT
                   if f"throughput_{n}_tok_s" in row), flush=True)
   for b in PROFILE_ROWS:
-    print(f"   B={b}: " + ", ".join(f"{k[:36]} {t}" for k, t in list(row[f"families_b{b}"].items())[:16]),
-          flush=True)
+    families = list(row[f"families_b{b}"].items())[:16]
+    print(f"   B={b}: " + ", ".join(f"{k[:36]} {t}" for k, t in families), flush=True)
   for key in [k for k in row if k.endswith("_profile")]:
     print(f"   {key}: {row[key]}", flush=True)
 
