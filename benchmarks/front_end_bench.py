@@ -41,9 +41,13 @@ from cg_jax.serving.service import WARMUP_PHASES
 
 
 class StandIn:
-  """The part of `Engine` the core process uses; a thread "steps" every `step_s`."""
+  """The part of `Engine` the core process uses; a thread "steps" every `step_s`. With
+  `first_token_s`, `enqueue` returns that much later (the core's main thread waits, as a request
+  waits for its prefill; for lone requests only: it holds every other message meanwhile)."""
 
-  def __init__(self, step_s: float, vocab_size: int, eos: tuple[int, ...]):
+  def __init__(self, step_s: float, vocab_size: int, eos: tuple[int, ...],
+               first_token_s: float = 0.0):
+    self._first_token_s = first_token_s
     self.model_config = types.SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos)
     self.config = types.SimpleNamespace(max_seq_len=1 << 16, max_waiting=1 << 16)
     self._step_s, self._lock, self._running = step_s, threading.Condition(), []
@@ -67,6 +71,8 @@ class StandIn:
     self._stop.set()
 
   def enqueue(self, request, *, timeout=None, group):
+    if self._first_token_s:
+      time.sleep(self._first_token_s)
     prompt = request.rows[0].tolist()
     made = group([len(prompt)], lambda: None)
     with self._lock:
@@ -226,6 +232,14 @@ def main():
   parser.add_argument("--vocab-size", type=int, default=1000)
   parser.add_argument("--trace", type=int, default=0,
                       help="first time this many lone requests stage by stage")
+  parser.add_argument("--lone", type=int, default=0,
+                      help="then send this many requests one at a time with `bench serve` (its "
+                           "own process; --max-concurrency 1) and print their TTFT p50")
+  parser.add_argument("--first-token-ms", type=float, default=0.0,
+                      help="with --trace or --lone: the stand-in's first token comes this long "
+                           "after the core has the request (a prefill's time: the front end's "
+                           "work after the send is then off the first chunk's path, as with a "
+                           "model)")
   parser.add_argument("--profile", default=None,
                       help="write a cProfile of the event loop's thread to this file")
   args = parser.parse_args()
@@ -234,7 +248,8 @@ def main():
   directory = tempfile.mkdtemp(prefix="cg_jax-bench-")
   core = multiprocessing.get_context("spawn").Process(
       target=process.run,
-      args=(directory, _Build(args.step_ms / 1e3, vocab), WARMUP_PHASES, "warning"))
+      args=(directory, _Build(args.step_ms / 1e3, vocab, args.first_token_ms / 1e3),
+            WARMUP_PHASES, "warning"))
   core.start()
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))
@@ -255,17 +270,23 @@ def main():
       time.sleep(0.1)
   if args.trace:
     trace(port, args.trace, int(args.prompt_len.split(":")[-1]))
-  for streams in (int(s) for s in args.streams.split(",") if s):
+  def bench_serve(requests: int, *options: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as rows:
-      before = cpu_s(os.getpid()), cpu_s(core.pid)
       subprocess.run([sys.executable, "-m", "cg_jax", "bench", "serve", "--base-url",
                       f"http://127.0.0.1:{port}/v1", "--model", "m", "--num-requests",
-                      str(streams), "--clients", str(args.clients), "--output-len",
-                      str(args.output_len), "--prompt-len", args.prompt_len, "--vocab-size",
-                      str(min(vocab, args.vocab_size)), "--output", rows.name],
-                     check=True, capture_output=True)
-      front_s, core_s = cpu_s(os.getpid()) - before[0], cpu_s(core.pid) - before[1]
-      figures = json.loads(open(rows.name).readlines()[-1])["figures"]
+                      str(requests), "--output-len", str(args.output_len), "--prompt-len",
+                      args.prompt_len, "--vocab-size", str(min(vocab, args.vocab_size)),
+                      "--output", rows.name, *options], check=True, capture_output=True)
+      return json.loads(open(rows.name).readlines()[-1])["figures"]
+
+  if args.lone:
+    figures = bench_serve(args.lone, "--clients", "1", "--max-concurrency", "1")
+    print(f"lone requests {args.lone}: TTFT p50 {figures['ttft_ms_p50']:.3f} ms, server mean "
+          f"{figures.get('server_ttft_ms_mean', 0):.3f} ms", flush=True)
+  for streams in (int(s) for s in args.streams.split(",") if s):
+    before = cpu_s(os.getpid()), cpu_s(core.pid)
+    figures = bench_serve(streams, "--clients", str(args.clients))
+    front_s, core_s = cpu_s(os.getpid()) - before[0], cpu_s(core.pid) - before[1]
     tokens = streams * args.output_len
     print(f"streams {streams:4d} step {args.step_ms} ms: {figures['tokens_per_s']:8.0f} tok/s "
           f"(the steps allow {streams / args.step_ms * 1e3:8.0f}), TPOT mean "
@@ -281,11 +302,11 @@ def main():
 class _Build:
   """The core process's `build` (picklable): a `StandIn`."""
 
-  def __init__(self, step_s: float, vocab_size: int):
-    self.step_s, self.vocab_size = step_s, vocab_size
+  def __init__(self, step_s: float, vocab_size: int, first_token_s: float):
+    self.step_s, self.vocab_size, self.first_token_s = step_s, vocab_size, first_token_s
 
   def __call__(self) -> StandIn:
-    return StandIn(self.step_s, self.vocab_size, ())
+    return StandIn(self.step_s, self.vocab_size, (), self.first_token_s)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@ It offers the part of `Engine` the app uses (`submit`, `score`, `stats`, `warmup
 `executable_keys`, `tokenizer`, `model_config`, `config`) and does the front end's share of a
 request: one validation pass (the engine's own checks), `Handle`s and their text, and stop
 strings (a request whose text holds one ends here, and the core is told to cancel it). A
-reader thread ("cg_jax-core-client") takes each step's message and hands its tokens to the
-requests' groups (an asyncio consumer is woken on its own loop); it asks the core for its status
-every STATUS_EVERY seconds, and watches the core's process: once it is gone every request in
-flight fails with `CoreDied` and `failure` says why.
+reader thread ("cg_jax-core-client") connects to the core (`cg_jax.core.wire`: one Unix-domain
+socket both ways), takes each step's message and hands its tokens to the requests' groups (an
+asyncio consumer is woken on its own loop); it asks the core for its status every STATUS_EVERY
+seconds, and watches the core's process: once it is gone (or closes the connection) every
+request in flight fails with `CoreDied` and `failure` says why.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import dataclasses
 import itertools
 import logging
 import os
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +27,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-import zmq
 
 from cg_jax import validation
 from cg_jax.core import wire
@@ -35,6 +37,8 @@ from cg_jax.sampling_params import SamplingParams, check_logprobs
 
 log = logging.getLogger("uvicorn.error")
 STATUS_EVERY = 0.25  # seconds between status calls
+CONNECT_EVERY = 0.01  # seconds between tries to connect while the core starts
+RECEIVE_BYTES = 1 << 20  # the most one read of the connection takes
 ERRORS = {cls.__name__: cls for cls in (QueueFull, EngineClosed, RequestTimeout, ValueError,
                                         TypeError)}
 
@@ -77,21 +81,16 @@ def _alive(pid: int) -> bool:
 
 class CoreClient:
   """Args:
-    directory: the IPC directory the core listens in; index: this front end's number (its
-      address there); core_pid: the core's process, watched; tokenizer: the model's, or None.
+    directory: the directory the core listens in; index: this front end's number (its name in
+      the core's log); core_pid: the core's process, watched; tokenizer: the model's, or None.
   """
 
   def __init__(self, directory: str, index: int, core_pid: int, tokenizer=None):
     self.tokenizer = tokenizer
-    self.address = wire.front_address(directory, index)
+    self.name = f"front-{index}"
+    self._address = wire.core_address(directory)
     self._core_pid = core_pid
-    self._context = zmq.Context()
-    self._inbox = self._context.socket(zmq.PULL)
-    self._inbox.setsockopt(zmq.LINGER, 0)
-    self._inbox.bind(self.address)
-    self._outbox = self._context.socket(zmq.PUSH)
-    self._outbox.setsockopt(zmq.LINGER, 0)
-    self._outbox.connect(wire.core_address(directory))
+    self._sock: socket.socket | None = None  # once the reader thread connected
     self._send_lock = threading.Lock()
     self._lock = threading.Lock()  # the request and reply tables
     self._requests: dict[int, tuple[Group, RowText | None]] = {}
@@ -102,7 +101,6 @@ class CoreClient:
     self.failure: str | None = None  # why nothing can be served any more (the core died)
     self.on_failure: list[Callable[[], None]] = []
     self._closed = False
-    self._send({"op": "hello", "ticket": -1})
     self._thread = threading.Thread(target=self._read, name="cg_jax-core-client", daemon=True)
     self._thread.start()
 
@@ -195,9 +193,9 @@ class CoreClient:
     self._closed = True
     self._thread.join(timeout=5)
     self._fail_all(EngineClosed("the server closed before the request finished"))
-    self._inbox.close()
-    self._outbox.close()
-    self._context.term()
+    with self._send_lock:
+      if self._sock is not None:
+        self._sock.close()  # (the core cancels what this front end still had running)
 
   # Internals --------------------------------------------------------------------------------
 
@@ -208,10 +206,14 @@ class CoreClient:
     return status
 
   def _send(self, header: dict[str, Any], *arrays: np.ndarray) -> None:
+    data = wire.encode(header, *arrays)
     with self._send_lock:
-      if not self._closed:
-        self._outbox.send_multipart(wire.encode({**header, "client": self.address}, *arrays),
-                                    copy=False)
+      if self._closed or self._sock is None:
+        return
+      try:
+        self._sock.sendall(data)
+      except OSError:  # the core is gone: the reader thread sees the connection close
+        pass
 
   def _call(self, header: dict[str, Any], *arrays: np.ndarray, timeout: float = 600) -> Any:
     future: Future = Future()
@@ -221,25 +223,49 @@ class CoreClient:
     self._send({**header, "ticket": ticket}, *arrays)
     return future.result(timeout)
 
+  def _connect(self) -> socket.socket | None:
+    """The connection to the core, once it listens (None if it died first or we closed)."""
+    while not self._closed:
+      try:
+        sock = wire.connect(self._address)
+      except OSError:
+        if not _alive(self._core_pid):
+          self._died()
+          return None
+        time.sleep(CONNECT_EVERY)
+        continue
+      with self._send_lock:
+        self._sock = sock
+      self._send({"op": "hello", "client": self.name})
+      return sock
+    return None
+
   def _read(self) -> None:
-    next_status = 0.0
+    sock = self._connect()
+    if sock is None:
+      return
+    reader, poller = wire.Reader(), select.poll()
+    poller.register(sock, select.POLLIN)
+    next_status = time.monotonic() + STATUS_EVERY
     while not self._closed:
       now = time.monotonic()
       if now >= next_status:
         next_status = now + STATUS_EVERY
         if not _alive(self._core_pid):
-          if not self._closed:
-            self._died()
+          self._died()
           return
         self._send({"op": "status", "ticket": -1})
-      if not self._inbox.poll(50):
+      if not poller.poll(50):
         continue
-      while True:
-        try:
-          frames = self._inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-          break
-        header, buffers = wire.decode(frames)
+      try:
+        data = sock.recv(RECEIVE_BYTES)
+      except OSError:
+        data = b""
+      if not data:  # the core closed the connection: it ended or dropped this front end
+        if not self._closed:
+          self._died()
+        return
+      for header, buffers in reader.feed(data):
         if header["op"] == "step":
           self._step(header, buffers)
         else:
@@ -313,7 +339,11 @@ class CoreClient:
       future.set_exception(error)
 
   def _died(self) -> None:
-    self.failure = (f"the engine core process (pid {self._core_pid}) died; this server cannot "
+    deadline = time.monotonic() + 1.0  # (a core that ends closes its sockets before it is gone)
+    while _alive(self._core_pid) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    what = "died" if not _alive(self._core_pid) else "closed this front end's connection"
+    self.failure = (f"the engine core process (pid {self._core_pid}) {what}; this server cannot "
                     "serve any more")
     log.error("%s", self.failure)
     self._fail_all(CoreDied(self.failure))

@@ -27,7 +27,6 @@ import threading
 from typing import Any
 
 import jax
-import zmq
 
 from cg_jax import text
 from cg_jax.core import prestart, process, wire
@@ -82,21 +81,13 @@ def _front_end_process(*args) -> None:
   raise SystemExit(_front_end(*args))
 
 
-def _tell_core(directory: str, header: dict[str, Any]) -> None:
-  context = zmq.Context()
-  try:
-    sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(wire.core_address(directory))
-    sock.send_multipart(wire.encode(header))
-    sock.close()
-  finally:
-    context.term()
-
-
 def _stop_core(core, directory: str) -> None:
   if core.is_alive():
-    _tell_core(directory, {"op": "shutdown"})
+    try:
+      with wire.connect(wire.core_address(directory)) as sock:
+        sock.sendall(wire.encode({"op": "shutdown"}))
+    except OSError:  # not listening (yet, or any more): it is stopped as below
+      core.terminate()
     core.join(CORE_STOP_S)
   if core.is_alive():
     log.warning("the engine core did not stop within %.0f s: killing it", CORE_STOP_S)
@@ -178,10 +169,9 @@ def _supervise(core, directory: str, count: int, args: tuple) -> int:
           front = fronts.pop(index)
           front.join()
           if not stopping.is_set():
+            # (the core cancels its requests when its connection closes)
             log.warning("front end %d (pid %d) exited with code %s; %d keep serving", index,
                         front.pid, _signal_name(front.exitcode), len(fronts))
-            _tell_core(directory, {"op": "client_gone",
-                                   "client": wire.front_address(directory, index)})
             if front.exitcode:
               status = 1 if not fronts else status
   finally:

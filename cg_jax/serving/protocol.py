@@ -149,7 +149,10 @@ def short(value) -> str:
   return text if len(text) <= 80 else text[:77] + "..."
 
 
-Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(prompt_shape)]
+# (left to right, token ids before strings: in pydantic's default "smart" mode a list of ids was
+# first tried as list[str], one error object per element, 3x the parse of a 480-id prompt)
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]], Field(union_mode="left_to_right"),
+                   BeforeValidator(prompt_shape)]
 Stop = Annotated[str | list[str] | None, BeforeValidator(stop_shape)]
 _STRICT = ConfigDict(strict=True, frozen=True, extra="forbid")
 
