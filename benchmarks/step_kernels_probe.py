@@ -47,9 +47,7 @@ PROFILED_STEPS = 10
 
 def device_kernels(events: list[dict]) -> list[dict]:
   """The GPU's kernel events ("X") among a trace's events."""
-  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  device = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name}
+  device = profile.gpu_pids(events)
   return [e for e in events if e.get("ph") == "X" and e["pid"] in device]
 
 

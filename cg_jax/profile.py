@@ -92,6 +92,13 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
   return total
 
 
+def gpu_pids(events: list[dict]) -> set[int]:
+  """The trace processes of the GPUs (jax.profiler names them "/device:GPU:N")."""
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  return {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name}
+
+
 def parse_trace(trace: str | dict, steps: int) -> LaunchReport:
   """Launch accounting from a Chrome-format trace (jax.profiler's *.trace.json.gz).
 
@@ -100,9 +107,7 @@ def parse_trace(trace: str | dict, steps: int) -> LaunchReport:
     steps: decode steps run inside the trace, to report per-step numbers.
   """
   events = _load_events(trace)
-  process = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-  device_pids = {pid for pid, name in process.items() if "/device:" in name and "CPU" not in name}
+  device_pids = gpu_pids(events)
   kernels, memcpys, busy = 0, 0, []
   kernel_time: collections.Counter = collections.Counter()
   graph_launches = kernel_launches = 0
@@ -156,9 +161,7 @@ def copy_overlap(trace: str | dict) -> dict[str, float]:
   Returns {"memcpy_us", "overlapped_us", "overlap_share"} over the whole trace.
   """
   events = _load_events(trace)
-  process = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-  device_pids = {pid for pid, name in process.items() if "/device:" in name and "CPU" not in name}
+  device_pids = gpu_pids(events)
   copies, kernels = [], []
   for e in events:
     if e.get("ph") != "X" or e["pid"] not in device_pids:
