@@ -14,7 +14,10 @@ microseconds per token. `--trace N` first sends N streamed requests one at a tim
 socket (one prompt of the --prompt-len upper bound) and prints the median time between the
 stages of each one's first chunk (marks patched onto uvicorn's parser and sender, the service
 and the core client), then the first chunk's median through the openai client, and the same
-client's against a stand-in server that answers at once (the client's own floor).
+client's against a stand-in server that answers at once (the client's own floor). `--lone N`
+sends N requests one at a time from `bench serve` in its own process (the client apart from the
+front end's interpreter, as users run it); `--first-token-ms` makes the stand-in's first token
+wait as a prefill would (the front end's work after the send then overlaps it, as with a model).
 """
 import argparse
 import asyncio
