@@ -75,7 +75,8 @@ http_install() {  # the serve extra and the openai client from .whl into $1; PYT
   local pip=(python3 "$pip_wheel/pip" --isolated --disable-pip-version-check --no-input)
   local offline=(--no-index --find-links "$wheels" --only-binary=:all: --root-user-action=ignore)
   # (as pyproject's serve extra: uvicorn[standard] brings httptools, without which uvicorn
-  # parses HTTP in pure Python, h11)
+  # parses HTTP in pure Python, h11; and pyzmq for trees older than 83a1128, whose engine core
+  # talked ZMQ)
   local wanted=("fastapi>=0.115" "uvicorn[standard]>=0.30" "prometheus-client>=0.20"
                 "jinja2>=3.1.6" "pyzmq>=25" httpx "openai>=1.40")
   rm -rf "$dest" && mkdir -p "$dest"
