@@ -302,16 +302,15 @@ class Core:
     self.outbox.forget(peer)
     self.selector.unregister(peer.sock)
     peer.sock.close()
-    cancelled = [self._requests.pop(key) for key in [k for k in self._requests if k[0] is peer]]
+    groups = [self._requests.pop(key) for key in [k for k in self._requests if k[0] is peer]]
+    cancelled = [group for group in groups if not group.done]
     for group in cancelled:
       group.cancel()
-    if quiet or peer.name is None:
-      return
-    if cancelled:
+    # (a front end closing with nothing in flight is a normal stop: not logged, so that the
+    # server's last line stays its reason to stop)
+    if cancelled and not quiet:
       log.warning("engine core: front end %s is gone; its %d requests were cancelled", peer.name,
                   len(cancelled))
-    else:
-      log.info("engine core: front end %s closed its connection", peer.name)
 
   def handle(self, peer: Peer, header: dict[str, Any], buffers: list) -> None:
     op = header["op"]
