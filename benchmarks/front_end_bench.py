@@ -67,6 +67,9 @@ class StandIn:
   def warmup(self, **_):
     pass
 
+  def warmup_behind(self, phases, stopping):
+    pass
+
   def stats(self):
     return {"running": len(self._running)}
 

@@ -1,6 +1,7 @@
 """One source tree (given by PYTHONPATH) at one row, as #32 / #33 compare trees: the time until
 its engine is ready, B=1 `generate` TTFT and per token (a fresh 512-token prompt each run, 128
-new, greedy, EOS off; 7 runs after 2, medians), decode steps at 1, 8, 32 and 64 rows
+new, greedy, EOS off; 7 runs after 2, medians; GENERATE_BATCHES=1,8,32 for B prompts a run, their
+first and last rows' TTFT), decode steps at 1, 8, 32 and 64 rows
 (`profile.time_decode`, position 512), device time per step by kernel and by kernel family
 (`profile.profile_decode`, 10 steps), and for trees with a step table the optimized HLO of the
 8-token step. Trees without `wait_for_final_steps` (before the token-budgeted step, e.g.
@@ -40,7 +41,8 @@ from cg_jax import Engine, profile  # noqa: E402
 from cg_jax.bench import throughput  # noqa: E402
 
 BATCHES = tuple(int(b) for b in os.environ.get("BATCHES", "1,8,32,64").split(","))
-PROFILE_ROWS = tuple(int(b) for b in os.environ.get("PROFILE_ROWS", "1").split(","))
+PROFILE_ROWS = tuple(int(b) for b in os.environ.get("PROFILE_ROWS", "1").split(",") if b)
+GENERATE_BATCHES = tuple(int(b) for b in os.environ.get("GENERATE_BATCHES", "1").split(","))
 THROUGHPUT = tuple(int(n) for n in os.environ.get("THROUGHPUT", "").split(",") if n and int(n))
 PROFILED_STEPS = 10
 
@@ -74,7 +76,8 @@ def main(label: str, model: str, out_dir: str) -> None:
     engine.warmup(progress=False)
     engine.wait_for_final_steps(600)
   else:
-    engine.warmup(batch_sizes=[1, 8], prompt_lengths=[512], progress=False)
+    engine.warmup(batch_sizes=sorted({1, 8, *GENERATE_BATCHES}), prompt_lengths=[512],
+                  progress=False)
   row = {"label": label, "model": os.path.basename(model.rstrip("/")),
          "ready_s": round(time.perf_counter() - START, 1),
          "device": jax.devices()[0].device_kind, "jax": jax.__version__}
@@ -85,12 +88,16 @@ def main(label: str, model: str, out_dir: str) -> None:
     _, path = profile.profile_decode(engine, b, position=512, steps=PROFILED_STEPS)
     row[f"kernels_b{b}"], row[f"families_b{b}"], row[f"launches_b{b}"] = kernel_times(
         device_kernels(profile._load_events(path)))
-  # a fresh prompt each run: a repeated one would hit the prefix cache (the first seven pages)
+  # B fresh prompts each run: a repeated one would hit the prefix cache (the first seven pages)
   rng = np.random.default_rng(0)
-  stats = [engine.generate([rng.integers(0, engine.model_config.vocab_size, 512).tolist()], 128,
-                           eos_token_id=[]).stats for _ in range(9)][2:]
-  row["b1_ttft_ms"] = statistics.median(s["ttft_s"] * 1e3 for s in stats)
-  row["b1_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
+  for b in GENERATE_BATCHES:
+    stats = [engine.generate(
+        [rng.integers(0, engine.model_config.vocab_size, 512).tolist() for _ in range(b)], 128,
+        eos_token_id=[]).stats for _ in range(9)][2:]
+    row[f"b{b}_ttft_ms"] = statistics.median(s["ttft_s"] * 1e3 for s in stats)
+    row[f"b{b}_ttft_last_ms"] = statistics.median(s.get("ttft_s_last", math.nan) * 1e3
+                                                  for s in stats)
+    row[f"b{b}_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
   for count in THROUGHPUT if hasattr(engine, "wait_for_final_steps") else ():
     # #33's offline workload as `bench throughput --client generate` runs it (`count` prompts
     # of 64-480 random tokens, 128 new each, after an unmeasured pass), three seeds
@@ -132,8 +139,9 @@ def main(label: str, model: str, out_dir: str) -> None:
   with open(os.path.join(out_dir, f"step_kernels_{label}.json"), "w") as f:
     json.dump(row, f, indent=1)
   steps = " ".join(f"B={b} {row[f'step_us_b{b}']:.1f}" for b in BATCHES)
-  print(f"[{label}] ready {row['ready_s']} s | {steps} | B=1 generate TTFT "
-        f"{row['b1_ttft_ms']:.2f} ms, {row['b1_per_token_us']:.1f} us/token; "
+  generated = "; ".join(f"B={b} {row[f'b{b}_ttft_ms']:.2f} ms, {row[f'b{b}_per_token_us']:.1f} us"
+                        for b in GENERATE_BATCHES)
+  print(f"[{label}] ready {row['ready_s']} s | {steps} | generate TTFT, per token: {generated}; "
         f"{row.get('launches_b1', 0):.0f} kernels a B=1 step"
         + "".join(f"; {n} requests {row[f'throughput_{n}_tok_s']} tok/s" for n in THROUGHPUT
                   if f"throughput_{n}_tok_s" in row), flush=True)
