@@ -362,11 +362,12 @@ def generate(args) -> int:
   engine = Engine.from_pretrained(args.model, **_engine_options(args))
   # Validate before compiling anything (a flag that is wrong gets an error, not a warning), then
   # compile only the buckets this request needs.
-  engine.validate(inputs, params=params)
+  request = engine.validate(inputs, params=params)
   _warn_greedy(args)
-  batch = engine.config.buckets.batch_bucket(min(len(inputs), engine.config.buckets.max_batch))
   start = time.perf_counter()
-  compile_times = engine.warmup(batch_sizes=[batch], progress=not args.json)
+  # A step holds at most every prompt token and a decode token per request.
+  compile_times = engine.warmup(max_step_tokens=sum(map(len, request.rows)) + len(request.rows),
+                                draws=params.do_sample, progress=not args.json)
   # Wall time: the executables compile in parallel, so their compile times add up to more.
   warmup = dict(warmup_s=time.perf_counter() - start, compile_s=sum(compile_times.values()),
                 executables=len(compile_times))
@@ -377,8 +378,11 @@ def generate(args) -> int:
     result = engine.generate(inputs, params=params)
     stats = result.stats
     if args.json:
+      # (compiles_since_warmup: executables the request still had to build, 0 when the
+      # warm-up foresaw its steps)
       print(json.dumps({"tokens": list(result), "texts": result.texts,
-                        "stats": dict(stats, **warmup)}))
+                        "stats": dict(stats, **warmup, compiles_since_warmup=engine.stats()[
+                            "compiles_since_warmup"])}))
       return 0
     for i, tokens in enumerate(result):
       shown = result.texts[i] if result.texts is not None else " ".join(map(str, tokens))

@@ -333,15 +333,17 @@ class Engine:
 
   def executable_keys(self, batch_sizes: Sequence[int] | None = None,
                       prompt_lengths: Sequence[int] | None = None,
-                      phases: Sequence[str] = SERVING_PHASES) -> list[tuple]:
+                      phases: Sequence[str] = SERVING_PHASES, *,
+                      max_step_tokens: int | None = None, draws: bool = True) -> list[tuple]:
     """Every (phase, bucket) executable the request path can use, optionally restricted
-    (`cg_jax.core.executables`)."""
-    return self.executables.keys(batch_sizes, prompt_lengths, phases)
+    (`cg_jax.core.executables.ExecutableTable.keys`)."""
+    return self.executables.keys(batch_sizes, prompt_lengths, phases,
+                                 max_step_tokens=max_step_tokens, draws=draws)
 
   def warmup(self, *, batch_sizes: Sequence[int] | None = None,
              prompt_lengths: Sequence[int] | None = None,
-             phases: Sequence[str] = SERVING_PHASES, progress: bool = True,
-             workers: int | None = None,
+             phases: Sequence[str] = SERVING_PHASES, max_step_tokens: int | None = None,
+             draws: bool = True, progress: bool = True, workers: int | None = None,
              on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Compile every (phase, bucket) executable ahead of time, in parallel on `workers` threads
     (None: one per CPU core), allocate the KV cache and run the steps on empty rows
@@ -352,9 +354,11 @@ class Engine:
     bucket (`EngineConfig.token_buckets`: decode rows and prompt chunks together), the draw of
     a step's sampling rows per logit row count (`EngineConfig.logit_rows`), and the paged cache
     (`executable_keys()` lists them); `phases=cg_jax.core.executables.PHASES`
-    adds the log-probability and static-path ones. Narrow it to the buckets you will use
-    (`batch_sizes`, `prompt_lengths`). The persistent compilation cache makes a second start
-    fast.
+    adds the log-probability and static-path ones. Narrow it to the work you will run: the
+    steps up to the token bucket of `max_step_tokens` (the most tokens one step can hold: the
+    prompts' tokens and one per request, when they are known), no draws for greedy work
+    (`draws=False`), the static path's `batch_sizes` and `prompt_lengths`; a step left out is
+    compiled when first needed. The persistent compilation cache makes a second start fast.
 
     Requests may run meanwhile: the compiles hold no lock (a request that needs an executable
     being built waits for that build, `ExecutableTable.get`), only the priming does.
@@ -377,7 +381,8 @@ class Engine:
       `stats()["warmup_wall_s"]` is the whole warm-up's wall time.
     """
     start = time.perf_counter()
-    keys = self.executable_keys(batch_sizes, prompt_lengths, phases)
+    keys = self.executable_keys(batch_sizes, prompt_lengths, phases,
+                                max_step_tokens=max_step_tokens, draws=draws)
     built, stand_ins = self.executables.builds(keys)
     times = self._build_and_prime(built, progress, workers, on_progress)
     self._compiles_at_warmup = compile_stats.unplanned_count()

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from cg_jax import Engine, EngineConfig, cli, hub, profile
 from cg_jax.core.config import on_gpu
 from cg_jax.validation import IgnoredSamplingWarning
-from models.config import PRESETS
+from models.config import PRESETS, preset
 from tests.helpers import hf_llama_config, random_tensors, write_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +56,16 @@ def test_cli_preset_prints_ids_and_stats():
   result = json.loads(out.stdout)
   assert [len(t) <= 4 for t in result["tokens"]] == [True, True]
   assert result["stats"]["tokens_per_s"] > 0 and result["texts"] is None
+  # The warm-up built the steps a step of these two prompts can need (5 prompt tokens and two
+  # decode tokens: up to the bucket of 7) and no draw (greedy); nothing compiled after it.
+  engine = Engine(preset("tiny-gpt2"), None, batch_buckets=(1, 2), max_seq_len=32)
+  assert result["stats"]["executables"] == len(
+      engine.executable_keys(max_step_tokens=7, draws=False))
+  assert result["stats"]["compiles_since_warmup"] == 0
+  sampled = _run("generate", "--model", "tiny-gpt2", "--prompt-ids", "1,2,3", "--temperature",
+                 "0.8", "--max-new-tokens", "4", "--max-seq-len", "32", "--json")
+  assert sampled.returncode == 0, sampled.stderr
+  assert json.loads(sampled.stdout)["stats"]["compiles_since_warmup"] == 0
 
 
 def test_cli_checkpoint_with_tokenizer(checkpoint):

@@ -81,6 +81,23 @@ def test_token_buckets_start_where_padding_tokens_stop_being_free():
   assert default_token_buckets(4, "pallas") == (4,)
 
 
+def test_executable_keys_narrow_to_the_steps_a_work_can_use():
+  engine = Engine(preset("tiny-llama"), None, dtype="float32", max_seq_len=512,
+                  max_num_batched_tokens=64)
+  steps = lambda keys: [key[1] for key in keys if key[0] == "step"]  # noqa: E731
+  draws = lambda keys: [key[1] for key in keys if key[0] == "draw"]  # noqa: E731
+  every = engine.executable_keys()
+  assert steps(every) == list(engine.config.token_buckets) == [1, 2, 4, 8, 16, 32, 64]
+  narrow = engine.executable_keys(max_step_tokens=7)
+  assert steps(narrow) == [1, 2, 4, 8]
+  assert draws(narrow) == sorted({engine.config.logit_rows(t) for t in (1, 2, 4, 8)})
+  assert steps(engine.executable_keys(max_step_tokens=10_000)) == steps(every)
+  greedy = engine.executable_keys(max_step_tokens=8, draws=False)
+  assert draws(greedy) == [] and steps(greedy) == [1, 2, 4, 8] and ("load",) in greedy
+  with pytest.raises(ValueError, match="max_step_tokens must be an int >= 1 or None, got 0"):
+    engine.executable_keys(max_step_tokens=0)
+
+
 def test_default_gpu_engine_compiles_at_most_16_executables(monkeypatch):
   # The serving executables of the GPU defaults (no compile): up to 256 requests at once.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

@@ -104,8 +104,15 @@ class ExecutableTable:
 
   def keys(self, batch_sizes: Sequence[int] | None = None,
            prompt_lengths: Sequence[int] | None = None,
-           phases: Sequence[str] = SERVING_PHASES) -> list[tuple]:
-    """Every key the request path can use, optionally restricted to some buckets and phases."""
+           phases: Sequence[str] = SERVING_PHASES, *, max_step_tokens: int | None = None,
+           draws: bool = True) -> list[tuple]:
+    """Every key the request path can use, optionally restricted to some buckets and phases:
+    `max_step_tokens` leaves out the steps of token buckets above the one that holds that many
+    tokens (the most one step of the work to come can hold: its prompts' tokens and a decode
+    token per request), `draws=False` the draws (greedy work only)."""
+    if max_step_tokens is not None and (not isinstance(max_step_tokens, int) or isinstance(
+        max_step_tokens, bool) or max_step_tokens < 1):
+      raise ValueError(f"max_step_tokens must be an int >= 1 or None, got {max_step_tokens!r}")
     b = self.config.buckets
     batch_sizes = b.batch_sizes if batch_sizes is None else batch_sizes
     prompt_lengths = b.prompt_lengths if prompt_lengths is None else prompt_lengths
@@ -119,10 +126,14 @@ class ExecutableTable:
         raise ValueError(f"{name} {odd} are not buckets of this engine; allowed {allowed}")
     keys: list[tuple] = [("cache",)]
     steps = self.config.token_buckets
+    if max_step_tokens is not None:
+      largest = next((t for t in steps if t >= max_step_tokens), steps[-1])
+      steps = tuple(t for t in steps if t <= largest)
     rows = sorted({self.config.logit_rows(tokens) for tokens in steps})
     if "step" in phases:
       # Steps pick greedily; a step with a sampling row draws from its logits.
-      keys += [("load",)] + [("step", tokens) for tokens in steps] + [("draw", r) for r in rows]
+      keys += [("load",)] + [("step", tokens) for tokens in steps]
+      keys += [("draw", r) for r in rows] if draws else []
     if "logprobs" in phases:
       keys += [("token_logprobs", r) for r in rows]
       keys += [("score", length) for length in self.score_lengths()
