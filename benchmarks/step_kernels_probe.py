@@ -3,10 +3,11 @@ its engine is ready, B=1 `generate` TTFT and per token (a fresh 512-token prompt
 new, greedy, EOS off; 7 runs after 2, medians; GENERATE_BATCHES=1,8,32 for B prompts a run, their
 first and last rows' TTFT), decode steps at 1, 8, 32 and 64 rows
 (`profile.time_decode`, position 512), device time per step by kernel and by kernel family
-(`profile.profile_decode`, 10 steps), and for trees with a step table the optimized HLO of the
-8-token step. Trees without `wait_for_final_steps` (before the token-budgeted step, e.g.
-a7ac954) warm up one-row and eight-row executables of 512-token prompts; later ones warm up as
-`serve` does and wait for their own decode steps.
+(`profile.profile_decode`, 10 steps) with its launch accounting (`profile.parse_trace`: graph
+launches, kernels outside graphs, GPU-busy time), and for trees with a step table the
+optimized HLO of the 8-token step. Trees without `wait_for_final_steps` (before the
+token-budgeted step, e.g. a7ac954) warm up one-row and eight-row executables of 512-token
+prompts; later ones warm up as `serve` does and wait for their own decode steps.
 
   PYTHONSAFEPATH=1 PYTHONPATH=TREE python3 benchmarks/step_kernels_probe.py LABEL MODEL_DIR OUT_DIR
 
@@ -15,8 +16,9 @@ the profiled steps; THROUGHPUT=N[,N2..] adds #33's offline workload as `bench th
 --client generate` runs it (N prompts of 64-480 random tokens, 128 new; median of three seeds;
 trees with the token-budgeted step), and PROFILE_THROUGHPUT=1 one more run of the first N under
 the profiler (GPU-busy time against the wall, kernels by family and by executable); STEP_HLO=0
-skips the HLO file. (results/split_combine_h100.* came from c33959b's form: one unmeasured
-prompt set, then three timed `generate` calls. Until 2026-12-07 the B=1 rows repeated one
+skips the HLO file; ENGINE_OPTIONS a JSON object of more `Engine` options.
+(results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then three
+timed `generate` calls. Until 2026-12-07 the B=1 rows repeated one
 prompt, so their TTFT after the first run was a prefix-cache hit of seven of its eight pages.)
 
 Results: results/step_kernels_h100.*, results/b1_versions_h100.*, results/split_combine_*,
@@ -38,13 +40,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cg_jax import Engine, profile  # noqa: E402
-from cg_jax.bench import throughput  # noqa: E402
+try:  # (trees before `cg_jax bench`, e.g. a7ac954, have no throughput rows)
+  from cg_jax.bench import throughput  # noqa: E402
+except ImportError:
+  throughput = None
 
 BATCHES = tuple(int(b) for b in os.environ.get("BATCHES", "1,8,32,64").split(","))
 PROFILE_ROWS = tuple(int(b) for b in os.environ.get("PROFILE_ROWS", "1").split(",") if b)
 GENERATE_BATCHES = tuple(int(b) for b in os.environ.get("GENERATE_BATCHES", "1").split(","))
 THROUGHPUT = tuple(int(n) for n in os.environ.get("THROUGHPUT", "").split(",") if n and int(n))
 PROFILED_STEPS = 10
+OPTIONS = json.loads(os.environ.get("ENGINE_OPTIONS", "{}"))  # more `Engine` options
 
 
 def device_kernels(events: list[dict]) -> list[dict]:
@@ -71,7 +77,7 @@ def kernel_times(kernels: list[dict], steps: int = PROFILED_STEPS) -> tuple[dict
 
 
 def main(label: str, model: str, out_dir: str) -> None:
-  engine = Engine.from_pretrained(model, max_seq_len=1024)
+  engine = Engine.from_pretrained(model, max_seq_len=1024, **OPTIONS)
   if hasattr(engine, "wait_for_final_steps"):
     engine.warmup(progress=False)
     engine.wait_for_final_steps(600)
@@ -86,8 +92,12 @@ def main(label: str, model: str, out_dir: str) -> None:
                                                repeats=5)["step_us"]
   for b in PROFILE_ROWS:
     _, path = profile.profile_decode(engine, b, position=512, steps=PROFILED_STEPS)
+    events = profile._load_events(path)
     row[f"kernels_b{b}"], row[f"families_b{b}"], row[f"launches_b{b}"] = kernel_times(
-        device_kernels(profile._load_events(path)))
+        device_kernels(events))
+    # graph launches, kernels launched outside graphs, GPU-busy time and idle share per step
+    row[f"launch_b{b}"] = profile.parse_trace({"traceEvents": events},
+                                              steps=PROFILED_STEPS).as_dict()
   # B fresh prompts each run: a repeated one would hit the prefix cache (the first seven pages)
   rng = np.random.default_rng(0)
   for b in GENERATE_BATCHES:
@@ -98,7 +108,7 @@ def main(label: str, model: str, out_dir: str) -> None:
     row[f"b{b}_ttft_last_ms"] = statistics.median(s.get("ttft_s_last", math.nan) * 1e3
                                                   for s in stats)
     row[f"b{b}_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
-  for count in THROUGHPUT if hasattr(engine, "wait_for_final_steps") else ():
+  for count in THROUGHPUT if throughput and hasattr(engine, "wait_for_final_steps") else ():
     # #33's offline workload as `bench throughput --client generate` runs it (`count` prompts
     # of 64-480 random tokens, 128 new each, after an unmeasured pass), three seeds
     rates = []
@@ -147,7 +157,11 @@ def main(label: str, model: str, out_dir: str) -> None:
                   if f"throughput_{n}_tok_s" in row), flush=True)
   for b in PROFILE_ROWS:
     families = list(row[f"families_b{b}"].items())[:16]
-    print(f"   B={b}: " + ", ".join(f"{k[:36]} {t}" for k, t in families), flush=True)
+    launch = row[f"launch_b{b}"]
+    print(f"   B={b}: {launch['graph_launches_per_step']:.0f} graph launches, "
+          f"{launch['kernel_launches_outside_graphs_per_step']:.0f} kernels outside graphs, "
+          f"GPU busy {launch['gpu_busy_us']:.0f} us a step; "
+          + ", ".join(f"{k[:36]} {t}" for k, t in families), flush=True)
   for key in [k for k in row if k.endswith("_profile")]:
     print(f"   {key}: {row[key]}", flush=True)
 
