@@ -16,7 +16,9 @@ the profiled steps; THROUGHPUT=N[,N2..] adds #33's offline workload as `bench th
 --client generate` runs it (N prompts of 64-480 random tokens, 128 new; median of three seeds;
 trees with the token-budgeted step), and PROFILE_THROUGHPUT=1 one more run of the first N under
 the profiler (GPU-busy time against the wall, kernels by family and by executable); STEP_HLO=0
-skips the HLO file; ENGINE_OPTIONS a JSON object of more `Engine` options.
+skips the HLO file; ENGINE_OPTIONS a JSON object of more `Engine` options; PROFILE_PROMPT=1
+traces one more lone 512-token prompt's first token (`prompt_profile`: wall, GPU busy, kernels
+by family and by executable).
 (results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then three
 timed `generate` calls. Until 2026-12-07 the B=1 rows repeated one
 prompt, so their TTFT after the first run was a prefix-cache hit of seven of its eight pages.)
@@ -108,6 +110,28 @@ def main(label: str, model: str, out_dir: str) -> None:
     row[f"b{b}_ttft_last_ms"] = statistics.median(s.get("ttft_s_last", math.nan) * 1e3
                                                   for s in stats)
     row[f"b{b}_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
+  if os.environ.get("PROFILE_PROMPT") == "1":
+    # one more lone 512-token prompt (fresh), one new token, under the profiler: where its
+    # first token's time goes (wall against GPU busy, kernels by family and by executable)
+    prompt = [rng.integers(0, engine.model_config.vocab_size, 512).tolist()]
+    logdir = os.path.join("/tmp", f"prompt_trace_{label}")
+    with jax.profiler.trace(logdir):
+      start = time.perf_counter()
+      engine.generate(prompt, 1, eos_token_id=[])
+      wall = time.perf_counter() - start
+    events = profile._load_events(profile.find_trace(logdir))
+    kernels = device_kernels(events)
+    _, families, launches = kernel_times(kernels, steps=1)
+    modules = collections.Counter()
+    for e in kernels:
+      if "hlo_module" in e.get("args", {}):
+        modules[e["args"]["hlo_module"]] += float(e.get("dur", 0))
+    row["prompt_profile"] = {
+        "wall_us": round(wall * 1e6, 1),
+        "gpu_busy_us": round(profile.parse_trace({"traceEvents": events}, steps=1).gpu_busy_us,
+                             1),
+        "kernels": launches, "modules_us": {k: round(v, 1) for k, v in modules.most_common(8)},
+        "families_us": dict(list(families.items())[:16])}
   for count in THROUGHPUT if throughput and hasattr(engine, "wait_for_final_steps") else ():
     # #33's offline workload as `bench throughput --client generate` runs it (`count` prompts
     # of 64-480 random tokens, 128 new each, after an unmeasured pass), three seeds
