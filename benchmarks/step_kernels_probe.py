@@ -78,6 +78,30 @@ def kernel_times(kernels: list[dict], steps: int = PROFILED_STEPS) -> tuple[dict
           sum(count.values()) / steps)
 
 
+def traced(run, name: str, unit: str, top: int) -> dict:
+  """run() under the profiler (trace in /tmp/name): its wall and GPU-busy time, kernels, and
+  kernel time by executable (overlaps counted twice) and by family (the `top` first), in `unit`
+  ("ms" or "us")."""
+  logdir = os.path.join("/tmp", name)
+  with jax.profiler.trace(logdir):
+    start = time.perf_counter()
+    run()
+    wall = time.perf_counter() - start
+  events = profile._load_events(profile.find_trace(logdir))
+  kernels = device_kernels(events)
+  _, families, launches = kernel_times(kernels, steps=1)
+  busy = profile.parse_trace({"traceEvents": events}, steps=1).gpu_busy_us
+  modules = collections.Counter()
+  for e in kernels:
+    if "hlo_module" in e.get("args", {}):
+      modules[e["args"]["hlo_module"]] += float(e.get("dur", 0))
+  per = {"ms": 1e3, "us": 1.0}[unit]  # microseconds a unit
+  return {f"wall_{unit}": round(wall * 1e6 / per, 1), f"gpu_busy_{unit}": round(busy / per, 1),
+          "kernels": launches,
+          f"modules_{unit}": {k: round(v / per, 1) for k, v in modules.most_common(12)},
+          f"families_{unit}": {k: round(v / per, 2) for k, v in list(families.items())[:top]}}
+
+
 def main(label: str, model: str, out_dir: str) -> None:
   engine = Engine.from_pretrained(model, max_seq_len=1024, **OPTIONS)
   if hasattr(engine, "wait_for_final_steps"):
@@ -114,24 +138,8 @@ def main(label: str, model: str, out_dir: str) -> None:
     # one more lone 512-token prompt (fresh), one new token, under the profiler: where its
     # first token's time goes (wall against GPU busy, kernels by family and by executable)
     prompt = [rng.integers(0, engine.model_config.vocab_size, 512).tolist()]
-    logdir = os.path.join("/tmp", f"prompt_trace_{label}")
-    with jax.profiler.trace(logdir):
-      start = time.perf_counter()
-      engine.generate(prompt, 1, eos_token_id=[])
-      wall = time.perf_counter() - start
-    events = profile._load_events(profile.find_trace(logdir))
-    kernels = device_kernels(events)
-    _, families, launches = kernel_times(kernels, steps=1)
-    modules = collections.Counter()
-    for e in kernels:
-      if "hlo_module" in e.get("args", {}):
-        modules[e["args"]["hlo_module"]] += float(e.get("dur", 0))
-    row["prompt_profile"] = {
-        "wall_us": round(wall * 1e6, 1),
-        "gpu_busy_us": round(profile.parse_trace({"traceEvents": events}, steps=1).gpu_busy_us,
-                             1),
-        "kernels": launches, "modules_us": {k: round(v, 1) for k, v in modules.most_common(8)},
-        "families_us": dict(list(families.items())[:16])}
+    row["prompt_profile"] = traced(lambda: engine.generate(prompt, 1, eos_token_id=[]),
+                                   f"prompt_trace_{label}", "us", 16)
   for count in THROUGHPUT if throughput and hasattr(engine, "wait_for_final_steps") else ():
     # #33's offline workload as `bench throughput --client generate` runs it (`count` prompts
     # of 64-480 random tokens, 128 new each, after an unmeasured pass), three seeds
@@ -148,24 +156,8 @@ def main(label: str, model: str, out_dir: str) -> None:
       prompts, _, unmeasured = throughput.requests(count, (64, 480), math.inf, 3,
                                                    engine.model_config.vocab_size)
       engine.generate(unmeasured, 128, eos_token_id=[])
-      logdir = os.path.join("/tmp", f"tp_trace_{label}")
-      with jax.profiler.trace(logdir):
-        start = time.perf_counter()
-        engine.generate(prompts, 128, eos_token_id=[])
-        wall = time.perf_counter() - start
-      events = profile._load_events(profile.find_trace(logdir))
-      kernels = device_kernels(events)
-      _, families, launches = kernel_times(kernels, steps=1)
-      busy_us = profile.parse_trace({"traceEvents": events}, steps=1).gpu_busy_us
-      modules = collections.Counter()  # kernel time by executable (overlaps counted twice)
-      for e in kernels:
-        if "hlo_module" in e.get("args", {}):
-          modules[e["args"]["hlo_module"]] += float(e.get("dur", 0)) / 1e3
-      row[f"throughput_{count}_profile"] = {
-          "wall_ms": round(wall * 1e3, 1), "gpu_busy_ms": round(busy_us / 1e3, 1),
-          "kernels": launches,
-          "modules_ms": {k: round(v, 1) for k, v in modules.most_common(12)},
-          "families_ms": {k: round(v / 1e3, 2) for k, v in list(families.items())[:24]}}
+      row[f"throughput_{count}_profile"] = traced(
+          lambda: engine.generate(prompts, 128, eos_token_id=[]), f"tp_trace_{label}", "ms", 24)
   if hasattr(engine, "wait_for_final_steps") and os.environ.get("STEP_HLO", "1") == "1":
     hlo = engine.executables.get(("step", 8)).as_text()
     with open(os.path.join(out_dir, f"step8_{label}.hlo.txt"), "w") as f:
