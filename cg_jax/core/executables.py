@@ -66,6 +66,7 @@ from cg_jax.core import compile_stats, host_io
 from cg_jax.core.config import PREFILL_GEMM_TOKENS, EngineConfig
 from cg_jax.core.sampling import SamplingArrays
 from cg_jax.core.sharding import TensorParallel
+from cg_jax.core.step_plan import PlanConfig
 from cg_jax.core.steps import StepFunctions
 from models.config import DecoderConfig
 from models.decoder import KVCache, init_cache
@@ -127,7 +128,9 @@ class ExecutableTable:
     keys: list[tuple] = [("cache",)]
     steps = self.config.token_buckets
     if max_step_tokens is not None:
-      largest = next((t for t in steps if t >= max_step_tokens), steps[-1])
+      # (the bucket the scheduler gives a step of that many tokens, at most the budget)
+      plan = PlanConfig.of(self.config)
+      largest = plan.token_bucket(min(max_step_tokens, plan.max_tokens))
       steps = tuple(t for t in steps if t <= largest)
     rows = sorted({self.config.logit_rows(tokens) for tokens in steps})
     if "step" in phases:
