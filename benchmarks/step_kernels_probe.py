@@ -56,8 +56,14 @@ OPTIONS = json.loads(os.environ.get("ENGINE_OPTIONS", "{}"))  # more `Engine` op
 
 
 def device_kernels(events: list[dict]) -> list[dict]:
-  """The GPU's kernel events ("X") among a trace's events."""
-  device = profile.gpu_pids(events)
+  """The GPU's kernel events ("X") among a trace's events (trees without `profile.gpu_pids`,
+  e.g. a7ac954: the processes jax.profiler names "/device:GPU:N")."""
+  if hasattr(profile, "gpu_pids"):
+    device = profile.gpu_pids(events)
+  else:
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in names.items() if "/device:GPU" in name}
   return [e for e in events if e.get("ph") == "X" and e["pid"] in device]
 
 
