@@ -18,7 +18,8 @@ trees with the token-budgeted step), and PROFILE_THROUGHPUT=1 one more run of th
 the profiler (GPU-busy time against the wall, kernels by family and by executable); STEP_HLO=0
 skips the HLO file; ENGINE_OPTIONS a JSON object of more `Engine` options; PROFILE_PROMPT=1
 traces one more lone 512-token prompt's first token (`prompt_profile`: wall, GPU busy, kernels
-by family and by executable).
+by family and by executable); GENERATE_PROFILE=1,8 traces `generate`'s own decode steps at
+those rows (`generate_steps`).
 (results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then three
 timed `generate` calls. Until 2026-12-07 the B=1 rows repeated one
 prompt, so their TTFT after the first run was a prefix-cache hit of seven of its eight pages.)
@@ -50,6 +51,7 @@ except ImportError:
 BATCHES = tuple(int(b) for b in os.environ.get("BATCHES", "1,8,32,64").split(","))
 PROFILE_ROWS = tuple(int(b) for b in os.environ.get("PROFILE_ROWS", "1").split(",") if b)
 GENERATE_BATCHES = tuple(int(b) for b in os.environ.get("GENERATE_BATCHES", "1").split(","))
+GENERATE_PROFILE = tuple(int(b) for b in os.environ.get("GENERATE_PROFILE", "").split(",") if b)
 THROUGHPUT = tuple(int(n) for n in os.environ.get("THROUGHPUT", "").split(",") if n and int(n))
 PROFILED_STEPS = 10
 OPTIONS = json.loads(os.environ.get("ENGINE_OPTIONS", "{}"))  # more `Engine` options
@@ -108,6 +110,23 @@ def traced(run, name: str, unit: str, top: int) -> dict:
           f"families_{unit}": {k: round(v / per, 2) for k, v in list(families.items())[:top]}}
 
 
+def generate_steps(engine, rows: int, rng, label: str) -> dict:
+  """`generate`'s own decode steps at `rows` rows: two traced calls on fresh 512-token prompts,
+  of 1 and of 129 new tokens; their difference over 128 steps (wall, GPU busy, kernels, device
+  time by kernel family; us a step)."""
+  def run(new):
+    prompts = [rng.integers(0, engine.model_config.vocab_size, 512).tolist() for _ in range(rows)]
+    return traced(lambda: engine.generate(prompts, new, eos_token_id=[]),
+                  f"gen_trace_{label}_{rows}_{new}", "us", 1000)
+  short, long = run(1), run(129)
+  diff = {key: round((long[key] - short[key]) / 128, 2)
+          for key in ("wall_us", "gpu_busy_us", "kernels")}
+  families = collections.Counter(long["families_us"])
+  families.subtract(short["families_us"])
+  diff["families_us"] = {k: round(t / 128, 2) for k, t in families.most_common(14)}
+  return diff
+
+
 def main(label: str, model: str, out_dir: str) -> None:
   engine = Engine.from_pretrained(model, max_seq_len=1024, **OPTIONS)
   if hasattr(engine, "wait_for_final_steps"):
@@ -140,6 +159,8 @@ def main(label: str, model: str, out_dir: str) -> None:
     row[f"b{b}_ttft_last_ms"] = statistics.median(s.get("ttft_s_last", math.nan) * 1e3
                                                   for s in stats)
     row[f"b{b}_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
+  for b in GENERATE_PROFILE:
+    row[f"generate_steps_b{b}"] = generate_steps(engine, b, rng, label)
   if os.environ.get("PROFILE_PROMPT") == "1":
     # one more lone 512-token prompt (fresh), one new token, under the profiler: where its
     # first token's time goes (wall against GPU busy, kernels by family and by executable)
@@ -184,7 +205,7 @@ def main(label: str, model: str, out_dir: str) -> None:
           f"{launch['kernel_launches_outside_graphs_per_step']:.0f} kernels outside graphs, "
           f"GPU busy {launch['gpu_busy_us']:.0f} us a step; "
           + ", ".join(f"{k[:36]} {t}" for k, t in families), flush=True)
-  for key in [k for k in row if k.endswith("_profile")]:
+  for key in [k for k in row if k.endswith("_profile") or k.startswith("generate_steps")]:
     print(f"   {key}: {row[key]}", flush=True)
 
 
