@@ -54,9 +54,11 @@ PAGED_DECODE_CONFIGS = (RaggedPagedAttentionConfig(),) + tuple(
                                  (256, 2, 1))) + tuple(
     RaggedPagedAttentionConfig(min_programs=programs) for programs in (64, 128, 1024))
 PAGED_PREFILL_CONFIGS = tuple(
-    RaggedPagedAttentionConfig(tile_rows=rows, block_k=block_k, num_warps=warps)
-    for rows, block_k, warps in ((64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 4),
-                                 (128, 64, 8), (256, 64, 8)))
+    RaggedPagedAttentionConfig(tile_rows=rows, block_k=block_k, num_warps=warps,
+                               num_stages=stages)
+    for rows, block_k, warps, stages in (
+        (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2),
+        (128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (256, 64, 8, 2)))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
@@ -284,7 +286,7 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
                rel_error_vs_xla=_paged_error(inputs, best),
                pallas_tflops=flops / best_us / 1e6)
     rows.append(row)
-    print(f"paged prefill S={seq:<5d} C={page_size}: {best_us:8.1f} us ({row['pallas_tflops']:5.1f}"
+    print(f"paged prefill {batch}x{heads}/{kv_heads} S={seq:<5d} C={page_size}: {best_us:8.1f} us ({row['pallas_tflops']:5.1f}"
           f" TFLOP/s, {best.tile_rows} rows x {best.block_k} keys, {best.num_warps} warps), flash "
           f"{flash_us:8.1f}, torch {row['torch_sdpa_us'] or float('nan'):8.1f}, err "
           f"{row['rel_error_vs_xla']:.1e}", flush=True)
@@ -353,10 +355,14 @@ def main():
   parser.add_argument("--head-dims", default="64,128", help="prefill, mosaic-probe: D")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in the interpreter (CPU)")
   parser.add_argument("--parts", default="prefill",
-                      help="comma list of prefill, paged, mosaic-probe (GPU only)")
+                      help="comma list of prefill, paged (decode and prefill rows), paged-prefill, "
+                           "mosaic-probe (GPU only)")
   parser.add_argument("--page-sizes", default="16,64", help="paged: decode page sizes C")
   parser.add_argument("--paged-seq-lens", default="512,2048,4096",
                       help="paged: prompt lengths (page size the last of --page-sizes)")
+  parser.add_argument("--paged-prefill-shapes", default="4x32/8",
+                      help="paged, paged-prefill: prompts x query heads / KV heads, comma list "
+                           "(gpt2's: 1x12/12,4x12/12)")
   parser.add_argument("--step-models", default="gpt2,gpt2-large,llama-3.2-1b",
                       help="paged: the decode rows' model shapes (heads, layers)")
   args = parser.parse_args()
@@ -367,6 +373,7 @@ def main():
     PREFILL_CONFIGS = PREFILL_CONFIGS[:1]
     PAGED_DECODE_CONFIGS = PAGED_DECODE_CONFIGS[:2]
     PAGED_PREFILL_CONFIGS = PAGED_PREFILL_CONFIGS[:1]
+    args.paged_prefill_shapes = "1x4/2"
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
     args.page_sizes, args.paged_seq_lens, args.step_position = "16", "48", 100
     args.step_models = "tiny-gpt2"
@@ -387,7 +394,13 @@ def main():
     rows += paged_decode_rows(args.step_models.split(","),
                               [int(b) for b in args.batches.split(",")], cache_len,
                               min(args.step_position, cache_len - 1), page_sizes)
-    rows += paged_prefill_rows([int(s) for s in args.paged_seq_lens.split(",")], page_sizes[-1])
+  if "paged" in parts or "paged-prefill" in parts:
+    for shape in args.paged_prefill_shapes.split(","):
+      batch, heads = shape.split("x")
+      query_heads, kv_heads = (int(h) for h in heads.split("/"))
+      rows += paged_prefill_rows([int(s) for s in args.paged_seq_lens.split(",")],
+                                 int(args.page_sizes.split(",")[-1]), batch=int(batch),
+                                 heads=query_heads, kv_heads=kv_heads)
   if "mosaic-probe" in parts:
     rows += mosaic_probe_rows([int(s) for s in args.seq_lens.split(",")], head_dims=head_dims)
   rows = [dict(meta, **r) for r in rows]
@@ -400,7 +413,8 @@ def main():
             f"{r['floor_us']:5.1f} {r['pallas_bandwidth_share']:6.2f}")
       continue
     if r["kernel"] == "ragged_paged_attention":
-      print(f"paged prefill    S={r['seq_len']} C={r['page_size']}  {r['pallas_us']:9.1f} us  "
+      print(f"paged prefill    {r['batch']}x{r['heads']}/{r['kv_heads']} S={r['seq_len']} "
+            f"C={r['page_size']}  {r['pallas_us']:9.1f} us  "
             f"flash {r['flash_us']:9.1f}  torch {r['torch_sdpa_us'] or float('nan'):9.1f}  "
             f"{r['pallas_tflops']:6.1f} TFLOP/s")
       continue

@@ -16,9 +16,9 @@ the profiled steps; THROUGHPUT=N[,N2..] adds #33's offline workload as `bench th
 --client generate` runs it (N prompts of 64-480 random tokens, 128 new; median of three seeds;
 trees with the token-budgeted step), and PROFILE_THROUGHPUT=1 one more run of the first N under
 the profiler (GPU-busy time against the wall, kernels by family and by executable); STEP_HLO=0
-skips the HLO file; ENGINE_OPTIONS a JSON object of more `Engine` options; PROFILE_PROMPT=1
-traces one more lone 512-token prompt's first token (`prompt_profile`: wall, GPU busy, kernels
-by family and by executable); GENERATE_PROFILE=1,8 traces `generate`'s own decode steps at
+skips the HLO file; ENGINE_OPTIONS a JSON object of more `Engine` options; PROFILE_PROMPTS=1,32
+traces the first tokens of one `generate` of that many more 512-token prompts
+(`prompt_profile`, `prompts_32_profile`: wall, GPU busy, kernels by family and by executable); GENERATE_PROFILE=1,8 traces `generate`'s own decode steps at
 those rows (`generate_steps`).
 (results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then three
 timed `generate` calls. Until 2026-12-07 the B=1 rows repeated one
@@ -51,6 +51,7 @@ except ImportError:
 BATCHES = tuple(int(b) for b in os.environ.get("BATCHES", "1,8,32,64").split(","))
 PROFILE_ROWS = tuple(int(b) for b in os.environ.get("PROFILE_ROWS", "1").split(",") if b)
 GENERATE_BATCHES = tuple(int(b) for b in os.environ.get("GENERATE_BATCHES", "1").split(","))
+PROFILE_PROMPTS = tuple(int(b) for b in os.environ.get("PROFILE_PROMPTS", "").split(",") if b)
 GENERATE_PROFILE = tuple(int(b) for b in os.environ.get("GENERATE_PROFILE", "").split(",") if b)
 THROUGHPUT = tuple(int(n) for n in os.environ.get("THROUGHPUT", "").split(",") if n and int(n))
 PROFILED_STEPS = 10
@@ -159,14 +160,16 @@ def main(label: str, model: str, out_dir: str) -> None:
     row[f"b{b}_ttft_last_ms"] = statistics.median(s.get("ttft_s_last", math.nan) * 1e3
                                                   for s in stats)
     row[f"b{b}_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
+    row[f"b{b}_total_ms"] = statistics.median(s.get("total_s", math.nan) * 1e3 for s in stats)
   for b in GENERATE_PROFILE:
     row[f"generate_steps_b{b}"] = generate_steps(engine, b, rng, label)
-  if os.environ.get("PROFILE_PROMPT") == "1":
-    # one more lone 512-token prompt (fresh), one new token, under the profiler: where its
-    # first token's time goes (wall against GPU busy, kernels by family and by executable)
-    prompt = [rng.integers(0, engine.model_config.vocab_size, 512).tolist()]
-    row["prompt_profile"] = traced(lambda: engine.generate(prompt, 1, eos_token_id=[]),
-                                   f"prompt_trace_{label}", "us", 16)
+  for b in PROFILE_PROMPTS:
+    # b more fresh 512-token prompts, one new token each, under the profiler: where their
+    # first tokens' time goes (wall against GPU busy, kernels by family and by executable)
+    prompts = [rng.integers(0, engine.model_config.vocab_size, 512).tolist() for _ in range(b)]
+    row["prompt_profile" if b == 1 else f"prompts_{b}_profile"] = traced(
+        lambda: engine.generate(prompts, 1, eos_token_id=[]), f"prompt_trace_{label}_{b}", "us",
+        16)
   for count in THROUGHPUT if throughput and hasattr(engine, "wait_for_final_steps") else ():
     # #33's offline workload as `bench throughput --client generate` runs it (`count` prompts
     # of 64-480 random tokens, 128 new each, after an unmeasured pass), three seeds
@@ -192,9 +195,10 @@ def main(label: str, model: str, out_dir: str) -> None:
   with open(os.path.join(out_dir, f"step_kernels_{label}.json"), "w") as f:
     json.dump(row, f, indent=1)
   steps = " ".join(f"B={b} {row[f'step_us_b{b}']:.1f}" for b in BATCHES)
-  generated = "; ".join(f"B={b} {row[f'b{b}_ttft_ms']:.2f} ms, {row[f'b{b}_per_token_us']:.1f} us"
+  generated = "; ".join(f"B={b} {row[f'b{b}_ttft_ms']:.2f} ({row[f'b{b}_ttft_last_ms']:.2f}) ms, "
+                        f"{row[f'b{b}_per_token_us']:.1f} us, {row[f'b{b}_total_ms']:.1f} ms"
                         for b in GENERATE_BATCHES)
-  print(f"[{label}] ready {row['ready_s']} s | {steps} | generate TTFT, per token: {generated}; "
+  print(f"[{label}] ready {row['ready_s']} s | {steps} | generate TTFT (last), per token, total: {generated}; "
         f"{row.get('launches_b1', 0):.0f} kernels a B=1 step"
         + "".join(f"; {n} requests {row[f'throughput_{n}_tok_s']} tok/s" for n in THROUGHPUT
                   if f"throughput_{n}_tok_s" in row), flush=True)
