@@ -149,6 +149,43 @@ def test_long_prompts_are_chunked_and_equal_one_chunk():
   whole.close()
 
 
+def test_first_tokens_are_read_behind_the_next_prompt_chunk():
+  """A step that completes a prompt while other prompts' chunks follow is read once the next
+  step is launched behind it (the device never waits for the host between chunks); the step
+  that ends the prefill is read before anything else is launched. Tokens equal the one-step
+  engine's."""
+  small = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1, 2, 4),
+                                 prompt_buckets=(8,), max_num_batched_tokens=16)
+  whole = small.with_options(max_num_batched_tokens=128)
+  scheduler, log = small._scheduler, []
+  run_step, read_one = scheduler._run_step, scheduler._read_one
+
+  def launch(plan):
+    run_step(plan)
+    log.append(("launch", scheduler._steps, bool(plan.done)))
+
+  def read():
+    log.append(("read", scheduler._steps - len(scheduler._reader) + 1))
+    read_one()
+
+  scheduler._run_step, scheduler._read_one = launch, read
+  # 20 + 20 + 20 prompt tokens in steps of at most 16: A completes in step 2, B in 3, C in 4.
+  prompts = [list(range(3, 23)), list(range(30, 50)), list(range(60, 80))]
+  assert small.generate(prompts, max_new_tokens=4, eos_token_id=[]) == \
+      whole.generate(prompts, max_new_tokens=4, eos_token_id=[])
+  completing = [step for kind, step, *done in log if kind == "launch" and done[0]]
+  assert completing == [2, 3, 4]
+  for step in completing:
+    read_at = log.index(("read", step))
+    next_launch = next(i for i, e in enumerate(log) if e[0] == "launch" and e[1] == step + 1)
+    if step < completing[-1]:
+      assert next_launch < read_at, log  # read behind the next chunk's step
+    else:
+      assert read_at < next_launch, log  # the last prefill step: its tokens out at once
+  small.close()
+  whole.close()
+
+
 def test_generate_inside_a_suspended_stream(engine):
   """A generate() while the same thread holds a suspended stream, and callers behind a stream
   nobody consumes, get their own tokens at once; the stream's tokens are unchanged."""

@@ -14,7 +14,8 @@ Requests wait in a bounded FIFO. The engine thread loops:
      request whose prompt the step completes emits its first token and decodes from the next
      step on; its full blocks become shareable.
 Up to `readback_lag` steps are in flight: the host reads a step's tokens while later steps run
-(a step that emits first tokens is read at once: the time to first token waits for nothing).
+(a step that emits first tokens is read at once, or, when prompt chunks follow it, as soon as
+the next step is launched behind it: the device does not wait for the host between chunks).
 Tokens go to each caller's own buffer, so a slow or absent consumer never blocks the loop.
 
 The policy lives in `cg_jax.core.step_plan`: its `Planner` returns each phase's plan (which
@@ -102,6 +103,9 @@ class Scheduler:
     # the number of steps launched.
     self._carry = None
     self._steps = 0
+    # The last step launched behind which more prompt chunks went: its first tokens are read
+    # once the step after it is launched.
+    self._firsts = 0
     # The staged buffer: the index arrays of the last step loaded and the lengths the last step
     # left (`cg_jax.core.step_inputs`), donated to every step; None until the first step.
     self._staged = None
@@ -260,12 +264,30 @@ class Scheduler:
     if plan is None:
       self._drain()  # the steps in flight cover every running request's budget
     else:
+      firsts = self._firsts
       self._run_step(plan)
-      if plan.done:
+      if plan.done and not self._prefilling():
         self._drain()  # first tokens go out now
-      elif len(self._reader) > self.config.readback_lag:
-        self._read_one()
+      else:
+        # More prompt chunks follow: the first tokens of a step go out once the next step is
+        # launched behind it, so the device never waits for the host between chunks.
+        self._read_through(firsts)
+        if plan.done:
+          self._firsts = self._steps
+        if len(self._reader) > self.config.readback_lag:
+          self._read_one()
     self._delivered()  # (the ends of cancelled and timed-out requests)
+
+  def _prefilling(self) -> bool:
+    """Whether a prompt has tokens no launched step takes, or a request waits."""
+    return bool(self._waiting) or any(live.prefilled < len(live.prompt) and not live.finished
+                                      for live in self._running)
+
+  def _read_through(self, step: int) -> None:
+    """Read the steps in flight up to step number `step` (the oldest in flight is step
+    `self._steps - len(self._reader) + 1`)."""
+    while len(self._reader) and self._steps - len(self._reader) + 1 <= step:
+      self._read_one()
 
   def _drain(self) -> None:
     while len(self._reader):
