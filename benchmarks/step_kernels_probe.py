@@ -16,18 +16,22 @@ the profiled steps; THROUGHPUT=N[,N2..] adds #33's offline workload as `bench th
 --client generate` runs it (N prompts of 64-480 random tokens, 128 new; median of three seeds;
 trees with the token-budgeted step), and PROFILE_THROUGHPUT=1 one more run of the first N under
 the profiler (GPU-busy time against the wall, kernels by family and by executable); STEP_HLO=0
-skips the HLO file; ENGINE_OPTIONS a JSON object of more `Engine` options; PROFILE_PROMPTS=1,32
-traces the first tokens of one `generate` of that many more 512-token prompts
-(`prompt_profile`, `prompts_32_profile`: wall, GPU busy, kernels by family and by executable); GENERATE_PROFILE=1,8 traces `generate`'s own decode steps at
-those rows (`generate_steps`).
+skips the HLO file; ENGINE_OPTIONS a JSON object of more `Engine` options; RAGGED_DECODE a
+JSON object of the ragged kernel's decode-tile config fields (e.g. '{"min_programs": 256}');
+PROFILE_PROMPTS=1,32 traces the first tokens of one `generate` of that many more 512-token
+prompts (`prompt_profile`, `prompts_32_profile`: wall, GPU busy, kernels by family and by
+executable); GENERATE_PROFILE=1,8 traces `generate`'s own decode steps at those rows
+(`generate_steps`).
 (results/split_combine_h100.* came from c33959b's form: one unmeasured prompt set, then three
 timed `generate` calls. Until 2026-12-07 the B=1 rows repeated one
 prompt, so their TTFT after the first run was a prefix-cache hit of seven of its eight pages.)
 
 Results: results/step_kernels_h100.*, results/b1_versions_h100.*, results/split_combine_*,
+results/page_size_h100.*, results/first_tokens_behind_h100.*, results/decode_min_programs_h100.*,
 results/wide_decode_h100.*
 """
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -56,6 +60,17 @@ GENERATE_PROFILE = tuple(int(b) for b in os.environ.get("GENERATE_PROFILE", "").
 THROUGHPUT = tuple(int(n) for n in os.environ.get("THROUGHPUT", "").split(",") if n and int(n))
 PROFILED_STEPS = 10
 OPTIONS = json.loads(os.environ.get("ENGINE_OPTIONS", "{}"))  # more `Engine` options
+# Fields of the ragged kernel's decode-tile config (`RaggedPagedAttentionConfig`) for A/B runs:
+# the engine's paged attention is built with them (steps of at most max_num_seqs tokens).
+RAGGED_DECODE = json.loads(os.environ.get("RAGGED_DECODE", "{}"))
+if RAGGED_DECODE:
+  from cg_jax.core import attention as _attention
+  _paged_for_forward = _attention.paged_for_forward
+
+  def _paged_with_decode_config(config, mesh=None):
+    paged = _paged_for_forward(config, mesh)
+    return dataclasses.replace(paged, config=dataclasses.replace(paged.config, **RAGGED_DECODE))
+  _attention.paged_for_forward = _paged_with_decode_config
 
 
 def device_kernels(events: list[dict]) -> list[dict]:
