@@ -105,7 +105,7 @@ class Scheduler:
     self._steps = 0
     # The last step launched behind which more prompt chunks went: its first tokens are read
     # once the step after it is launched.
-    self._firsts = 0
+    self._first_tokens_step = 0
     # The staged buffer: the index arrays of the last step loaded and the lengths the last step
     # left (`cg_jax.core.step_inputs`), donated to every step; None until the first step.
     self._staged = None
@@ -264,7 +264,7 @@ class Scheduler:
     if plan is None:
       self._drain()  # the steps in flight cover every running request's budget
     else:
-      firsts = self._firsts
+      firsts = self._first_tokens_step
       self._run_step(plan)
       if plan.done and not self._prefilling():
         self._drain()  # first tokens go out now
@@ -273,7 +273,7 @@ class Scheduler:
         # launched behind it, so the device never waits for the host between chunks.
         self._read_through(firsts)
         if plan.done:
-          self._firsts = self._steps
+          self._first_tokens_step = self._steps
         if len(self._reader) > self.config.readback_lag:
           self._read_one()
     self._delivered()  # (the ends of cancelled and timed-out requests)
