@@ -1,7 +1,8 @@
 """One source tree (given by PYTHONPATH) at one row, as #32 / #33 compare trees: the time until
 its engine is ready, B=1 `generate` TTFT and per token (a fresh 512-token prompt each run, 128
 new, greedy, EOS off; 7 runs after 2, medians; GENERATE_BATCHES=1,8,32 for B prompts a run, their
-first and last rows' TTFT), decode steps at 1, 8, 32 and 64 rows
+first and last rows' TTFT, the call's total and its steady decode: (total - last TTFT) / 127),
+decode steps at 1, 8, 32 and 64 rows
 (`profile.time_decode`, position 512), device time per step by kernel and by kernel family
 (`profile.profile_decode`, 10 steps) with its launch accounting (`profile.parse_trace`: graph
 launches, kernels outside graphs, GPU-busy time), and for trees with a step table the
@@ -176,6 +177,10 @@ def main(label: str, model: str, out_dir: str) -> None:
                                                   for s in stats)
     row[f"b{b}_per_token_us"] = statistics.median(s["per_token_s"] * 1e6 for s in stats)
     row[f"b{b}_total_ms"] = statistics.median(s.get("total_s", math.nan) * 1e3 for s in stats)
+    # the decode steps once every row has its first token: (total - last row's first token) over
+    # the 127 tokens after it (a7ac954's per_token_s, whose batch prefilled in one call)
+    row[f"b{b}_steady_us"] = statistics.median(
+        (s.get("total_s", math.nan) - s.get("ttft_s_last", math.nan)) / 127 * 1e6 for s in stats)
   for b in GENERATE_PROFILE:
     row[f"generate_steps_b{b}"] = generate_steps(engine, b, rng, label)
   for b in PROFILE_PROMPTS:
