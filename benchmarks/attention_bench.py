@@ -286,7 +286,8 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
                rel_error_vs_xla=_paged_error(inputs, best),
                pallas_tflops=flops / best_us / 1e6)
     rows.append(row)
-    print(f"paged prefill {batch}x{heads}/{kv_heads} S={seq:<5d} C={page_size}: {best_us:8.1f} us ({row['pallas_tflops']:5.1f}"
+    print(f"paged prefill {batch}x{heads}/{kv_heads} S={seq:<5d} C={page_size}: {best_us:8.1f} us "
+          f"({row['pallas_tflops']:5.1f}"
           f" TFLOP/s, {best.tile_rows} rows x {best.block_k} keys, {best.num_warps} warps), flash "
           f"{flash_us:8.1f}, torch {row['torch_sdpa_us'] or float('nan'):8.1f}, err "
           f"{row['rel_error_vs_xla']:.1e}", flush=True)

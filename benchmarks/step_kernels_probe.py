@@ -1,7 +1,8 @@
-"""One source tree (given by PYTHONPATH) at one row, as #32 / #33 compare trees: the time until
-its engine is ready, B=1 `generate` TTFT and per token (a fresh 512-token prompt each run, 128
-new, greedy, EOS off; 7 runs after 2, medians; GENERATE_BATCHES=1,8,32 for B prompts a run, their
-first and last rows' TTFT, the call's total and its steady decode: (total - last TTFT) / 127),
+"""One source tree (given by PYTHONPATH) at one row, as #32 / #33 compare trees (several in one
+device call: `trees_ab.sh`): the time until its engine is ready and its slowest compiles, B=1
+`generate` TTFT and per token (a fresh 512-token prompt each run, 128 new, greedy, EOS off; 7
+runs after 2, medians; GENERATE_BATCHES=1,8,32 for B prompts a run, their first and last rows'
+TTFT, the call's total and its steady decode: (total - last TTFT) / 127),
 decode steps at 1, 8, 32 and 64 rows
 (`profile.time_decode`, position 512), device time per step by kernel and by kernel family
 (`profile.profile_decode`, 10 steps) with its launch accounting (`profile.parse_trace`: graph
@@ -147,14 +148,17 @@ def generate_steps(engine, rows: int, rng, label: str) -> dict:
 def main(label: str, model: str, out_dir: str) -> None:
   engine = Engine.from_pretrained(model, max_seq_len=1024, **OPTIONS)
   if hasattr(engine, "wait_for_final_steps"):
-    engine.warmup(progress=False)
+    compiles = engine.warmup(progress=False)
     engine.wait_for_final_steps(600)
   else:
-    engine.warmup(batch_sizes=sorted({1, 8, *GENERATE_BATCHES}), prompt_lengths=[512],
-                  progress=False)
+    compiles = engine.warmup(batch_sizes=sorted({1, 8, *GENERATE_BATCHES}), prompt_lengths=[512],
+                             progress=False)
   row = {"label": label, "model": os.path.basename(model.rstrip("/")),
          "ready_s": round(time.perf_counter() - START, 1),
-         "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         # the warm-up's slowest compiles (the decode steps built behind it are not among them)
+         "compile_s": sorted(((str(k), round(v, 1)) for k, v in (compiles or {}).items()),
+                             key=lambda kv: -kv[1])[:8]}
   for b in BATCHES:
     row[f"step_us_b{b}"] = profile.time_decode(engine, b, position=512, steps=32,
                                                repeats=5)["step_us"]
@@ -218,7 +222,8 @@ def main(label: str, model: str, out_dir: str) -> None:
   generated = "; ".join(f"B={b} {row[f'b{b}_ttft_ms']:.2f} ({row[f'b{b}_ttft_last_ms']:.2f}) ms, "
                         f"{row[f'b{b}_per_token_us']:.1f} us, {row[f'b{b}_total_ms']:.1f} ms"
                         for b in GENERATE_BATCHES)
-  print(f"[{label}] ready {row['ready_s']} s | {steps} | generate TTFT (last), per token, total: {generated}; "
+  print(f"[{label}] ready {row['ready_s']} s | {steps} | generate TTFT (last), per token, "
+        f"total: {generated}; "
         f"{row.get('launches_b1', 0):.0f} kernels a B=1 step"
         + "".join(f"; {n} requests {row[f'throughput_{n}_tok_s']} tok/s" for n in THROUGHPUT
                   if f"throughput_{n}_tok_s" in row), flush=True)
