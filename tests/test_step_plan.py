@@ -143,6 +143,19 @@ def test_started_prompts_take_their_chunks_before_new_prompts_start():
                                                                  (14, 2), 0, (0,))
 
 
+def test_prefilling_while_a_prompt_has_unlaunched_tokens_or_a_request_waits():
+  planner = _planner(token_buckets=(8, 16))
+  running = [_decoding(4, max_new_tokens=8), Request(list(range(20)))]
+  assert planner.prefilling(running, waiting=[])
+  _run(planner.step(running), running)  # 15 of the prompt's 20 tokens
+  assert planner.prefilling(running, waiting=[])
+  _run(planner.step(running), running)  # its last 5: the prompt is complete
+  assert not planner.prefilling(running, waiting=[])
+  assert planner.prefilling(running, waiting=[Request([1, 2])])
+  # A finished request's prompt is not prefilled any more.
+  assert not planner.prefilling([Request([1] * 9, prefilled=3, finished=True)], waiting=[])
+
+
 def test_requests_whose_launched_steps_cover_their_budget_take_no_row():
   running = [_decoding(3, launched=4), _decoding(6, launched=2), Request([1] * 4, finished=True)]
   assert _planner().step(running).requests == (1,)

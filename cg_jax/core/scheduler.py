@@ -266,7 +266,7 @@ class Scheduler:
     else:
       firsts = self._first_tokens_step
       self._run_step(plan)
-      if plan.done and not self._prefilling():
+      if plan.done and not self.planner.prefilling(self._running, self._waiting):
         self._drain()  # first tokens go out now
       else:
         # More prompt chunks follow: the first tokens of a step go out once the next step is
@@ -277,11 +277,6 @@ class Scheduler:
         if len(self._reader) > self.config.readback_lag:
           self._read_one()
     self._delivered()  # (the ends of cancelled and timed-out requests)
-
-  def _prefilling(self) -> bool:
-    """Whether a prompt has tokens no launched step takes, or a request waits."""
-    return bool(self._waiting) or any(live.prefilled < len(live.prompt) and not live.finished
-                                      for live in self._running)
 
   def _read_through(self, step: int) -> None:
     """Read the steps in flight up to step number `step` (the oldest in flight is step

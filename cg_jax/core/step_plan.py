@@ -230,6 +230,12 @@ class Planner:
     if request.blocks:
       self.pool.release(request.blocks)
 
+  @staticmethod
+  def prefilling(running: Sequence[Scheduled], waiting: Sequence[Scheduled]) -> bool:
+    """Whether another prompt chunk may follow the steps launched: a request waits, or a
+    running prompt has tokens no launched step takes (`step` plans them next)."""
+    return bool(waiting) or any(not x.finished and _unprefilled(x) for x in running)
+
   def step(self, running: Sequence[Scheduled]) -> StepPlan | None:
     """The next step over the `running` requests (admission order): each decoding request that
     needs a token more than the launched steps give it takes a row of one token, then started
@@ -240,7 +246,7 @@ class Planner:
     live = [i for i, x in enumerate(running) if not x.finished]
     decodes = [i for i in live if running[i].decoding
                and running[i].launched < running[i].max_new_tokens][:c.max_tokens]
-    pending = [i for i in live if running[i].prefilled < len(running[i].prompt)]
+    pending = [i for i in live if _unprefilled(running[i])]
     # Started prompts first (stable: each kind in admission order).
     pending.sort(key=lambda i: running[i].prefilled == 0)
     requests = list(decodes)
@@ -266,3 +272,8 @@ class Planner:
                     tuple(counts), len(decodes), done,
                     sample=not all(x.settings.greedy for x in emitting),
                     scored=any(x.logprobs is not None for x in emitting))
+
+
+def _unprefilled(request: Scheduled) -> bool:
+  """Whether the request's prompt has tokens no launched step takes."""
+  return request.prefilled < len(request.prompt)
