@@ -389,8 +389,8 @@ def main():
     parser.error(f"--parts {','.join(removed)}: removed with the slot-cache decode kernel")
   if "prefill" in parts:
     rows += prefill_rows([int(s) for s in args.seq_lens.split(",")], head_dims=head_dims)
+  page_sizes = [int(c) for c in args.page_sizes.split(",")]
   if "paged" in parts:
-    page_sizes = [int(c) for c in args.page_sizes.split(",")]
     cache_len = int(args.cache_lens.split(",")[0])
     rows += paged_decode_rows(args.step_models.split(","),
                               [int(b) for b in args.batches.split(",")], cache_len,
@@ -400,7 +400,7 @@ def main():
       batch, heads = shape.split("x")
       query_heads, kv_heads = (int(h) for h in heads.split("/"))
       rows += paged_prefill_rows([int(s) for s in args.paged_seq_lens.split(",")],
-                                 int(args.page_sizes.split(",")[-1]), batch=int(batch),
+                                 page_sizes[-1], batch=int(batch),
                                  heads=query_heads, kv_heads=kv_heads)
   if "mosaic-probe" in parts:
     rows += mosaic_probe_rows([int(s) for s in args.seq_lens.split(",")], head_dims=head_dims)
