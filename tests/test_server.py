@@ -1017,30 +1017,40 @@ def test_sigterm_during_the_warmup_exits_cleanly():
 
 
 class _Paced:
-  """A handle whose deltas reach the server one at a time, 20 ms apart (as a larger model's
-  steps would), so that the stream does not coalesce them."""
+  """A handle in lock step with the engine thread: the engine delivers a step's tokens, then
+  waits until the server has polled them (as a larger model's steps would give it time to),
+  so that no step's delta coalesces with the next one however loaded the machine is."""
 
-  def __init__(self, handle):
-    self.handle = handle
+  def __init__(self, handle, polled: threading.Semaphore):
+    self.handle, self.polled = handle, polled
 
   def __getattr__(self, name):
     return getattr(self.handle, name)
 
-  async def __aiter__(self):
-    async for delta in self.handle:
-      await asyncio.sleep(0.02)
-      yield delta
+  def poll(self):
+    deltas, ended = self.handle.poll()
+    for _ in deltas:
+      self.polled.release()
+    return deltas, ended
 
 
 def test_a_model_without_a_tokenizer_streams_every_step(monkeypatch):
-  """No tokenizer, no text: the stream still sends chunks as the steps run (empty text; the ids
+  """No tokenizer, no text: the stream still sends a chunk per step (empty text; the ids
   with return_token_ids), not one chunk at the end."""
   engine = Engine.from_pretrained("tiny-llama", max_seq_len=64, batch_buckets=(1,),
                                   prompt_buckets=(16,))
   engine.warmup(progress=False)
   expected = engine.generate([[5, 6, 7]], max_new_tokens=24, eos_token_id=[])[0]
-  submit = engine.submit
-  monkeypatch.setattr(engine, "submit", lambda *args, **kwargs: _Paced(submit(*args, **kwargs)))
+  polled = threading.Semaphore(0)
+  submit, deliver = engine.submit_validated, engine._scheduler._deliver
+
+  def deliver_then_wait(new):
+    deliver(new)
+    assert polled.acquire(timeout=TIMEOUT)  # (the engine thread fails the request otherwise)
+
+  monkeypatch.setattr(engine._scheduler, "_deliver", deliver_then_wait)
+  monkeypatch.setattr(engine, "submit_validated",
+                      lambda *args, **kwargs: _Paced(submit(*args, **kwargs), polled))
   app = server.create_app(engine, "tiny-llama", warmup=False)
   with _serving(app) as port:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
@@ -1051,7 +1061,7 @@ def test_a_model_without_a_tokenizer_streams_every_step(monkeypatch):
           extra_body={"return_token_ids": token_ids, "ignore_eos": True}))
       *steps, last = chunks
       assert last.choices[0].finish_reason == "length"
-      assert len(steps) >= 2 and all(c.choices[0].text == "" for c in chunks), chunks
+      assert len(steps) == 24 and all(c.choices[0].text == "" for c in chunks), chunks
       if token_ids:
         assert [t for c in steps for t in c.choices[0].token_ids] == expected
 
