@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from cg_jax.profile import identity_tables
 from cg_jax import Buckets, Engine, EngineConfig
-from cg_jax.core import compile_stats
+from cg_jax.core import compile_stats, executables
 from cg_jax.core.config import blocks_for_memory, default_token_buckets, on_gpu
 from cg_jax.core.executables import SERVING_PHASES, STAND_IN, ExecutableTable
 from cg_jax.core.sampling import SamplingArrays, filter_logits, select_tokens
@@ -894,6 +895,16 @@ def test_stored_executables_load_and_a_bad_file_is_compiled_again(engine, tmp_pa
   other = table(dataclasses.replace(engine.config, readback_lag=1))
   other.get(key)
   assert other.loaded == 0 and len(list((tmp_path / "executables").iterdir())) == 2
+
+
+def test_a_kernel_change_is_a_new_build(monkeypatch):
+  """The stored executables' digest reads the kernels' source too: an upgrade that changes
+  only a Pallas kernel must not load the executables compiled with the old one."""
+  before = executables._build_digest(None, None, jnp.bfloat16)
+  read = pathlib.Path.read_bytes
+  monkeypatch.setattr(pathlib.Path, "read_bytes", lambda path: read(path) + (
+      b"# changed" if path.name == "ragged_paged_attention.py" else b""))
+  assert executables._build_digest(None, None, jnp.bfloat16) != before
 
 
 _NEW_BUILD = """

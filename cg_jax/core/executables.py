@@ -62,6 +62,7 @@ from jax.sharding import SingleDeviceSharding
 from tqdm.auto import tqdm
 
 import models
+from cg_jax import kernels
 from cg_jax.core import compile_stats, host_io
 from cg_jax.core.config import PREFILL_GEMM_TOKENS, EngineConfig
 from cg_jax.core.sampling import SamplingArrays
@@ -479,10 +480,11 @@ def _named(fn: Callable, name: str) -> Callable:
 
 def _build_digest(model: DecoderConfig, config: EngineConfig, dtype) -> str:
   """What an executable depends on besides its key: configs, dtype, versions, device kind and
-  the source of the step functions."""
+  the source of the step functions (the runtime core, the kernels and the models)."""
   digest = hashlib.sha256(repr((model, config, str(dtype), jax.__version__,
                                 jax.devices()[0].device_kind)).encode())
-  for package in (pathlib.Path(__file__).parent, pathlib.Path(models.__file__).parent):
+  for package in (pathlib.Path(__file__).parent, pathlib.Path(kernels.__file__).parent,
+                  pathlib.Path(models.__file__).parent):
     for source in sorted(package.rglob("*.py")):
       digest.update(source.read_bytes())
   return digest.hexdigest()
