@@ -188,6 +188,27 @@ def tile_layout(query_starts, tokens: int, tile_tokens: int):
   return tile_seq, start.astype(jnp.int32)
 
 
+# The fields of `tile_meta`'s first result, one row each.
+TILE_FIELDS = 6
+
+
+def tile_meta(query_starts, query_lens, seq_lens, block_tables, tokens: int, tile_tokens: int):
+  """What each tile's program reads before its keys, gathered per tile (`tile_layout`), so
+  that it needs no load to find them: (meta [TILE_FIELDS, X] int32: the tile's first token,
+  its sequence's first query token, query tokens (0 when inactive), sequence length, the end
+  of its region (padding tiles: A; tiles past them all: 0), 1 if it holds a sequence's tokens;
+  tables [X, W]: its sequence's block table)."""
+  sequences = query_starts.shape[0] - 1
+  tile_seq, tile_start = tile_layout(query_starts, tokens, tile_tokens)
+  active = tile_seq < sequences
+  seq = jnp.minimum(tile_seq, sequences - 1)
+  region_end = jnp.where(active, query_starts[seq + 1],
+                         (tile_seq == sequences).astype(jnp.int32) * tokens)
+  meta = jnp.stack([tile_start, query_starts[seq], jnp.where(active, query_lens[seq], 0),
+                    seq_lens[seq], region_end, active.astype(jnp.int32)]).astype(jnp.int32)
+  return meta, block_tables[seq]
+
+
 def split_layout(tiles: int, kv_heads: int, positions: int,
                  config: RaggedPagedAttentionConfig, block_k: int) -> tuple[int, int]:
   """(keys per split, number of splits) for tiles x kv_heads x splits programs over a block
@@ -223,17 +244,24 @@ def _online(carry, query, keys, values, sm_scale: float, visible=None):
 
 
 def _cached_keys(carry, query, tables_ref, k_pages_ref, v_pages_ref, layer, seq, kv_head,
-                 start, end, block_k: int, sm_scale: float):
+                 start, end, block_k: int, sm_scale: float, first_page=None):
   """`_online` over sequence `seq`'s cached keys at positions [start, end), read from its pages
-  in blocks of block_k from `start` (a multiple of block_k, a divisor of C: each block lies in
-  one page): whole blocks load unmasked, the last partial one masked. Every query row sees
-  every one of these keys (all are below its position)."""
+  (block table row `seq` of tables_ref) in blocks of block_k from `start` (a multiple of
+  block_k, a divisor of C: each block lies in one page): whole blocks load unmasked, the last
+  partial one masked. Every query row sees every one of these keys (all are below its
+  position). `first_page`: the page of `start`, loaded by the caller before anything it
+  depends on (a one-block program then waits for one load before its keys, not two)."""
   page_size, width = k_pages_ref.shape[2], tables_ref.shape[1]
   count = jnp.maximum(end - start, 0)
 
   def block(block_index, carry, masked: bool):
     block_start = start + block_index * block_k
-    page = tables_ref[seq, jnp.minimum(block_start // page_size, width - 1)]
+    at_page = tables_ref.at[seq, jnp.minimum(block_start // page_size, width - 1)]
+    if first_page is None:
+      page = pltriton.load(at_page)
+    else:  # (the first block's lookup is masked off: no load to wait for)
+      page = jnp.where(block_index == 0, first_page,
+                       pltriton.load(at_page, mask=block_index > 0, other=0))
 
     def at(ref):
       return ref.at[layer, page, pl.ds(block_start % page_size, block_k), kv_head, :]
@@ -336,37 +364,31 @@ def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, qkv_ref, k_pages
                      pltriton.load(qkv_ref.at[seq, at, :]).astype(out_ref.dtype))
 
 
-def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tables_ref, layer_ref,
-            qkv_ref, k_pages_ref, v_pages_ref, *out_refs, sm_scale: float, tile_tokens: int,
-            padded_group: int, group: int, block_k: int, split: int, heads: int):
+def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, *out_refs,
+            sm_scale: float, tile_tokens: int, padded_group: int, group: int, block_k: int,
+            split: int, heads: int):
   """One (tile, KV head, split) program. Every ref is a whole array (indexed in place):
-  tile_seq_ref, tile_start_ref [X]; starts_ref [R + 1]; q_lens_ref, lens_ref [R]; tables_ref
-  [R, W];
-  layer_ref [1]; qkv_ref [A, N + 2K, H] (queries, keys, values: `_new_heads`); k_pages_ref,
-  v_pages_ref [L, M, C, K, H]. Outputs: with one split out_ref [A, N, H], with several the partials
-  acc_ref [A, splits, N, H] f32 and max_ref, denom_ref [A, splits, N] f32; then the aliased
-  pages."""
+  meta_ref [TILE_FIELDS, X] (`tile_meta`: each tile's first token, its sequence's first query
+  token, query tokens, length and region end, whether it is active); tables_ref [X, W] (each
+  tile's sequence's block table); layer_ref [1]; qkv_ref [A, N + 2K, H] (queries, keys,
+  values: `_new_heads`); k_pages_ref, v_pages_ref [L, M, C, K, H]. Outputs: with one split
+  out_ref [A, N, H], with several the partials acc_ref [A, splits, N, H] f32 and max_ref,
+  denom_ref [A, splits, N] f32; then the aliased pages. Every load before the keys' depends on
+  the program's ids alone: the first key block waits for one load, its page."""
   *out_refs, k_out_ref, v_out_ref = out_refs
   tokens, _, head_dim = qkv_ref.shape
-  sequences = lens_ref.shape[0]
   num_blocks_table = tables_ref.shape[1]
   page_size = k_pages_ref.shape[2]
   tile, kv_head, split_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = layer_ref[0]
 
-  tile_seq = tile_seq_ref[tile]
-  active = tile_seq < sequences  # else padding tokens (zeros written) or no token at all
-  seq = jnp.minimum(tile_seq, sequences - 1)
-  q_begin = starts_ref[seq]
-  # The tile's region ends at the next sequence's start (padding tiles at A, a tile past them
-  # all at 0: the arithmetic keeps Triton's types); its query tokens at q_begin + q_len.
-  region_end = jnp.where(active, starts_ref[seq + 1],
-                         (tile_seq == sequences).astype(jnp.int32) * tokens)
-  q_len = jnp.where(active, q_lens_ref[seq], 0)
+  tile_start, q_begin, q_len, seq_len, region_end, active = (meta_ref[field, tile]
+                                                             for field in range(TILE_FIELDS))
+  active = active > 0  # else padding tokens (zeros written) or no token at all
   q_end = q_begin + q_len
-  seq_len = lens_ref[seq]
   first_position = seq_len - q_len
-  tile_start = tile_start_ref[tile]
+  split_start = split_index * split
+  first_page = tables_ref[tile, jnp.minimum(split_start // page_size, num_blocks_table - 1)]
 
   # [Q G_pad] rows: token tile_start + row // G_pad, query head kv_head G + row % G_pad.
   rows = jnp.arange(tile_tokens * padded_group)
@@ -384,7 +406,6 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
                                             + tile_tokens), 0)
   # This split's keys: positions [split_start, split_end) below tile_keys, those before the
   # first query position from the pages, the others from qkv (one loop each).
-  split_start = split_index * split
   split_end = split_start + split
   cached_end = jnp.minimum(jnp.minimum(first_position, tile_keys), split_end)
   new_start = jnp.maximum(first_position, split_start)
@@ -402,8 +423,8 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
   rows = tile_tokens * padded_group
   initial = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-  carry = _cached_keys(initial, query, tables_ref, k_pages_ref, v_pages_ref, layer, seq,
-                       kv_head, split_start, cached_end, block_k, sm_scale)
+  carry = _cached_keys(initial, query, tables_ref, k_pages_ref, v_pages_ref, layer, tile,
+                       kv_head, split_start, cached_end, block_k, sm_scale, first_page)
 
   # Loop 2: the call's own keys, from qkv. Keys below the tile's first position are
   # seen by every row (interior blocks: contiguous token windows, unmasked); the blocks from
@@ -463,7 +484,7 @@ def _kernel(tile_seq_ref, tile_start_ref, starts_ref, q_lens_ref, lens_ref, tabl
     token = tile_start + jnp.arange(tile_tokens)
     valid = active & (token < q_end)
     position = first_position + token - q_begin
-    page = tables_ref[seq, jnp.clip(position // page_size, 0, num_blocks_table - 1)]
+    page = tables_ref[tile, jnp.clip(position // page_size, 0, num_blocks_table - 1)]
     page = jnp.where(valid, page, k_out_ref.shape[1])
     slot = position % page_size
     token_at = jnp.where(valid, token, 0)
@@ -538,13 +559,14 @@ def ragged_paged_attention(qkv, k_pages, v_pages, layer, block_tables, seq_lens,
                                block_k=block_k, split=split, heads=heads)
     operands = [query_lens, *index]
   else:
-    tile_seq, tile_start = tile_layout(query_starts, tokens, tile_tokens)
-    programs = tile_seq.shape[0]
+    meta, tables = tile_meta(query_starts, query_lens, seq_lens, block_tables, tokens,
+                             tile_tokens)
+    programs = meta.shape[1]
     split, num_splits = split_layout(programs, kv_heads, positions, config, block_k)
     kernel = functools.partial(_kernel, sm_scale=float(sm_scale), tile_tokens=tile_tokens,
                                padded_group=padded_group, group=group, block_k=block_k,
                                split=split, heads=heads)
-    operands = [tile_seq, tile_start, query_starts, query_lens, *index]
+    operands = [meta, tables, *index[2:]]
 
   def whole(shape):  # the whole array as every program's block (indexed in the kernel)
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
