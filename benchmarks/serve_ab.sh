@@ -7,11 +7,13 @@
 # TREE: another checkout's files (`git archive REV | tar -x -C TREE`, inside the repo so it
 # travels to the device), first on the path for its steps. serve_run NAME TREE DIR LIST [serve
 # options]: `serve` (the first of a machine start compiles, later ones load stored executables)
-# and `bench serve` for each of LIST (N at once from 8 client processes, 16 past 64; "1": 16
-# arriving 2 a second from one). inproc_run NAME TREE DIR [LIST]: `bench throughput` for each
-# of LIST (as serve_run's; default 16,64,1). startup_run NAME TREE DIR [WHICH [STARTS]]: `bench
-# startup` (default: serve, cold then warm). Each row goes to OUT/bench.jsonl with `probe`: its
-# label and the front end's and the core's CPU seconds (from /proc), and a line is printed.
+# and, once its decode steps are its own (no stand-in left: a cold start builds and stores them
+# behind /health), `bench serve` for each of LIST (N at once from 8 client processes, 16 past
+# 64; "1": 16 arriving 2 a second from one). inproc_run NAME TREE DIR [LIST]: `bench
+# throughput` for each of LIST (as serve_run's; default 16,64,1). startup_run NAME TREE DIR
+# [WHICH [STARTS]]: `bench startup` (default: serve, cold then warm). Each row goes to
+# OUT/bench.jsonl with `probe`: its label and the front end's and the core's CPU seconds (from
+# /proc), and a line is printed.
 # Results: results/serving_front_end_h100. The device's serving packages come from .whl
 # (gpu_session.sh's http_install).
 set -u
@@ -58,6 +60,11 @@ serve_run() {  # name tree model-dir bench-list extra-serve-args...
   local server=$!
   for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
   echo "=== $name: /health after $(( $(date +%s) - t0 )) s"
+  for _ in $(seq 300); do
+    curl -sf http://127.0.0.1:$PORT/metrics | grep -q '^cg_jax_steps_on_stand_ins 0' && break
+    sleep 1
+  done
+  echo "=== $name: own decode steps after $(( $(date +%s) - t0 )) s"
   FRONT=$server; sleep 1; CORE=$(pgrep -P $server -f spawn_main | tail -1)
   local base=(--base-url http://127.0.0.1:$PORT/v1 --model $dir --device "$device")
   for b in ${list//,/ }; do
