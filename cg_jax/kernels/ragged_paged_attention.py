@@ -546,8 +546,8 @@ def ragged_paged_attention(qkv, k_pages, v_pages, layer, block_tables, seq_lens,
   tile_tokens = max(1, config.tile_rows // padded_group)
 
   positions = block_tables.shape[1] * page_size
-  index = [seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-           jnp.asarray(layer, jnp.int32).reshape(1), qkv, k_pages, v_pages]
+  seq_lens, block_tables = seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32)
+  arrays = [jnp.asarray(layer, jnp.int32).reshape(1), qkv, k_pages, v_pages]
   if decode_only:
     if tokens != block_tables.shape[0]:
       raise ValueError(f"decode_only needs one token per sequence (A = R); got qkv "
@@ -557,7 +557,7 @@ def ragged_paged_attention(qkv, k_pages, v_pages, layer, block_tables, seq_lens,
     kernel = functools.partial(_decode_kernel, sm_scale=float(sm_scale),
                                rows=max(MIN_DOT_DIM, padded_group), group=group,
                                block_k=block_k, split=split, heads=heads)
-    operands = [query_lens, *index]
+    operands = [query_lens, seq_lens, block_tables, *arrays]
   else:
     meta, tables = tile_meta(query_starts, query_lens, seq_lens, block_tables, tokens,
                              tile_tokens)
@@ -566,7 +566,7 @@ def ragged_paged_attention(qkv, k_pages, v_pages, layer, block_tables, seq_lens,
     kernel = functools.partial(_kernel, sm_scale=float(sm_scale), tile_tokens=tile_tokens,
                                padded_group=padded_group, group=group, block_k=block_k,
                                split=split, heads=heads)
-    operands = [meta, tables, *index[2:]]
+    operands = [meta, tables, *arrays]
 
   def whole(shape):  # the whole array as every program's block (indexed in the kernel)
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
