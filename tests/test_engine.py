@@ -308,6 +308,30 @@ def test_a_key_being_warmed_up_is_waited_for_not_built_twice(monkeypatch):
   engine.close()
 
 
+def test_a_build_published_between_a_look_and_a_claim_is_not_built_again(monkeypatch):
+  """A key that another thread's build publishes after a caller looked at `compiled` and before
+  it claimed the key is taken as built, by `compile` and by `get` (the race that built
+  ("cache",) twice when a warm-up met the compiles started beside the checkpoint read)."""
+  engine = Engine.from_pretrained("tiny-llama", **ENGINE_OPTIONS)
+  table = engine.executables
+  built = _slow_builds(table, monkeypatch, seconds=0)
+  keys = engine.executable_keys(phases=("logprobs",))
+  claim, caller = table._claim, threading.get_ident()
+
+  def late(key):  # (the caller's claims come only once another thread has built the key)
+    if threading.get_ident() == caller:
+      other = threading.Thread(target=table.get, args=(key,))
+      other.start()
+      other.join(60)
+    return claim(key)
+
+  monkeypatch.setattr(table, "_claim", late)
+  table.compile(keys[:2], progress=False, workers=1)
+  assert table.get(keys[2]) is table.compiled[keys[2]]
+  assert dict(built) == {key: 1 for key in keys[:3]} and not table._building
+  engine.close()
+
+
 def test_executables_build_while_the_weights_load(engine, monkeypatch):
   """compile_while_loading: the executables are building before the weights are asked for; the
   warm-up then builds none again, and the tokens are the engine's without it."""

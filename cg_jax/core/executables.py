@@ -273,6 +273,8 @@ class ExecutableTable:
       if exe is not None:
         return exe
       future, mine = self._claim(key)
+      if future is None:  # (published since the look above)
+        continue
       if mine:
         self._run(future, key)
       try:
@@ -280,10 +282,14 @@ class ExecutableTable:
       except concurrent.futures.CancelledError:  # a stopped warm-up never started it
         continue
 
-  def _claim(self, key: tuple) -> tuple[concurrent.futures.Future, bool]:
+  def _claim(self, key: tuple) -> tuple[concurrent.futures.Future | None, bool]:
     """The future of a key's build: the one in flight (False), or a new one the caller must
-    run or submit (True); when it completes, its executable is published to `compiled`."""
+    run or submit (True); when it completes, its executable is published to `compiled`.
+    (None, False) if the key is published already: a build that completed between a caller's
+    look at `compiled` and its claim is not started again."""
     with self._building_lock:
+      if key in self.compiled:
+        return None, False
       future = self._building.get(key)
       if future is not None:
         return future, False
@@ -368,7 +374,10 @@ class ExecutableTable:
         futures = {}
         for key in todo:  # (a key another thread builds already is waited for, not built again)
           future, mine = self._claim(key)
-          if mine:
+          if future is None:  # (another thread's build was published since `todo`)
+            future = concurrent.futures.Future()
+            future.set_result((self.compiled[key], self.compile_seconds.get(key, 0.0), False))
+          elif mine:
             claimed.append(future)
             pool.submit(self._run, future, key)
           futures[future] = key
