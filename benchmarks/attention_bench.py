@@ -35,6 +35,7 @@ from cg_jax.bench.rows import git_commit
 from cg_jax.core.graphs import compiler_options
 from cg_jax.kernels.flash_attention import (FlashAttentionConfig, flash_attention,
                                             flash_attention_reference)
+from cg_jax.kernels.mosaic_prefill_attention import MosaicPrefillConfig, mosaic_prefill_attention
 from cg_jax.kernels.ragged_paged_attention import (RaggedPagedAttentionConfig,
                                                    ragged_paged_attention,
                                                    ragged_paged_attention_reference, split_qkv)
@@ -59,6 +60,9 @@ PAGED_PREFILL_CONFIGS = tuple(
     for rows, block_k, warps, stages in (
         (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2),
         (128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (256, 64, 8, 2)))
+# The Mosaic GPU prompt-chunk kernel: attending warpgroups, key/value blocks in flight.
+MOSAIC_PREFILL_CONFIGS = tuple(MosaicPrefillConfig(consumers=consumers, max_concurrent_steps=steps)
+                               for consumers, steps in ((2, 2), (2, 3), (2, 4), (1, 2), (1, 4)))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
@@ -204,11 +208,22 @@ def _paged_attend(config, decode_only: bool = False):
   return attend
 
 
+def _mosaic_attend(config):
+  def attend(qkv, k_pages, v_pages, tables, lens, starts, *, layer):
+    return mosaic_prefill_attention(qkv, k_pages, v_pages, jnp.int32(layer), tables, lens,
+                                    starts, config=config, interpret=INTERPRET)
+  return attend
+
+
 def _paged_error(inputs, config, decode_only: bool = False) -> float:
-  """Relative error of the kernel's attention against the jnp reference (fresh caches each)."""
+  """Relative error of the kernel's attention (the Mosaic GPU kernel's for a
+  MosaicPrefillConfig) against the jnp reference (fresh caches each)."""
   qkv, k_pages, v_pages, *index = inputs()
-  out = ragged_paged_attention(qkv, k_pages, v_pages, jnp.int32(0), *index, config=config,
-                               decode_only=decode_only, interpret=INTERPRET)[0]
+  if isinstance(config, MosaicPrefillConfig):
+    out = _mosaic_attend(config)(qkv, k_pages, v_pages, *index, layer=0)[0]
+  else:
+    out = ragged_paged_attention(qkv, k_pages, v_pages, jnp.int32(0), *index, config=config,
+                                 decode_only=decode_only, interpret=INTERPRET)[0]
   return relative_error(out, ragged_paged_attention_reference(*inputs()[:3], 0, *index)[0])
 
 
@@ -260,6 +275,9 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
     timed = [(layers_us(_paged_attend(config), inputs(), 1, caches=PAGED_CACHES), config)
              for config in PAGED_PREFILL_CONFIGS]
     best_us, best = min(timed, key=lambda t: t[0])
+    mosaic = [(layers_us(_mosaic_attend(config), inputs(), 1, caches=PAGED_CACHES), config)
+              for config in MOSAIC_PREFILL_CONFIGS]
+    mosaic_us, mosaic_best = min(mosaic, key=lambda t: t[0])
     # The flash kernel on the same tokens, [B, S, N, H] / [B, S, K, H].
     q, k, v = (x.reshape(batch, seq, *x.shape[1:]) for x in split_qkv(inputs()[0], kv_heads))
     lengths = jnp.full((batch,), seq, jnp.int32)
@@ -284,11 +302,19 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
                flash_us=flash_us, flash_config=dataclasses.asdict(flash_config),
                torch_sdpa_us=_torch_us(torch_sdpa),
                rel_error_vs_xla=_paged_error(inputs, best),
-               pallas_tflops=flops / best_us / 1e6)
+               pallas_tflops=flops / best_us / 1e6,
+               mosaic_us=mosaic_us, mosaic_config=dataclasses.asdict(mosaic_best),
+               mosaic_all_us={f"c{c.consumers}_steps{c.max_concurrent_steps}": us
+                              for us, c in mosaic},
+               mosaic_rel_error=_paged_error(inputs, mosaic_best),
+               mosaic_tflops=flops / mosaic_us / 1e6)
     rows.append(row)
     print(f"paged prefill {batch}x{heads}/{kv_heads} S={seq:<5d} C={page_size}: {best_us:8.1f} us "
           f"({row['pallas_tflops']:5.1f}"
-          f" TFLOP/s, {best.tile_rows} rows x {best.block_k} keys, {best.num_warps} warps), flash "
+          f" TFLOP/s, {best.tile_rows} rows x {best.block_k} keys, {best.num_warps} warps), mosaic "
+          f"{mosaic_us:8.1f} ({row['mosaic_tflops']:5.1f} TFLOP/s, "
+          f"{mosaic_best.consumers} x {mosaic_best.max_concurrent_steps} steps, err "
+          f"{row['mosaic_rel_error']:.1e}), flash "
           f"{flash_us:8.1f}, torch {row['torch_sdpa_us'] or float('nan'):8.1f}, err "
           f"{row['rel_error_vs_xla']:.1e}", flush=True)
   return rows
@@ -373,10 +399,12 @@ def main():
     global PREFILL_CONFIGS, PAGED_DECODE_CONFIGS, PAGED_PREFILL_CONFIGS
     PREFILL_CONFIGS = PREFILL_CONFIGS[:1]
     PAGED_DECODE_CONFIGS = PAGED_DECODE_CONFIGS[:2]
+    global MOSAIC_PREFILL_CONFIGS
     PAGED_PREFILL_CONFIGS = PAGED_PREFILL_CONFIGS[:1]
+    MOSAIC_PREFILL_CONFIGS = (MosaicPrefillConfig(consumers=1),)  # (two hang on 2 CPU cores)
     args.paged_prefill_shapes = "1x4/2"
     args.batches, args.cache_lens, args.seq_lens = "1", "256", "64"
-    args.page_sizes, args.paged_seq_lens, args.step_position = "16", "48", 100
+    args.page_sizes, args.paged_seq_lens, args.step_position = "64", "48", 100
     args.step_models = "tiny-gpt2"
   commit = git_commit()
   meta = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, commit=commit,

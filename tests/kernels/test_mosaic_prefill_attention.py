@@ -1,0 +1,124 @@
+"""The Mosaic GPU prompt-chunk kernel in the Mosaic GPU interpreter against float64 NumPy attention
+over each sequence's keys (cases like test_ragged_paged_attention's at the kernel's sizes: head
+dim 64, pages of 64, 16-bit), its pages' writes slot by slot, its tiles, its validation, and its
+lowering for an H200.
+
+The interpreter runs a program's warpgroups as concurrent XLA computations, each blocking in its
+barrier waits; on a machine with fewer cores than warpgroups they wait on each other forever (two
+consumers and the producer hung on the 2-core CI machine, one consumer and the producer did not).
+So the two-consumer layout (the default) runs here only where there are at least 4 cores; the
+one-consumer layout, the same code with 64-token tiles, runs everywhere."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from cg_jax.kernels.mosaic_prefill_attention import (ALIGN, WG_ROWS,
+                                                     MosaicPrefillConfig, aligned_tiles,
+                                                     mosaic_prefill_attention)
+from tests.kernels.kernel_test_base import assert_kernel_close, lower_for_h200
+from tests.kernels.test_ragged_paged_attention import Case, _expected, _fused, _inputs
+
+CASES = [
+    # GQA 2: a chunk after context (its start not aligned), a fresh prompt over two tiles and
+    # several key blocks, a sequence with no query token, a decode row after a cached page and
+    # a bit; padding tokens past them all.
+    Case("bfloat16", 4, 2, (5, 200, 0, 1), (70, 0, 3, 130), padding=3, head_dim=64,
+         page_size=64),
+    # MHA, a tile's worth past a cached page, then a fresh prompt starting at an odd token
+    Case("bfloat16", 2, 2, (130, 67), (64, 0), padding=0, head_dim=64, page_size=64),
+    # MQA (group 8), regions with padding after their query tokens (query_lens), a long fresh
+    # prompt reaching past the array's end in its last key block
+    Case("float16", 8, 1, (1, 9, 260), (10, 200, 0), gaps=(3, 6, 0), padding=5, head_dim=64,
+         page_size=64),
+]
+
+
+CONSUMERS = [1, pytest.param(2, marks=pytest.mark.skipif(
+    (os.cpu_count() or 1) < 4, reason="the interpreter's three warpgroups need 4 cores"))]
+
+
+@pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
+                    reason=f"the Mosaic GPU interpreter needs jax >= 0.11 (jax {jax.__version__})")
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_float64_attention_and_writes_only_the_new_slots(case, consumers):
+  arrays, index = _inputs(case, width=8)
+  layer = 1
+  want, want_k, want_v = _expected(case, arrays, index, layer)
+  got = mosaic_prefill_attention(**_fused(arrays), layer=jnp.int32(layer), **index,
+                                 config=MosaicPrefillConfig(consumers=consumers,
+                                                            max_concurrent_steps=2),
+                                 interpret=True)
+  out, k_pages, v_pages = (np.asarray(x, np.float64) for x in got)
+  assert_kernel_close(out, want, "bfloat16", "mosaic prefill attention")
+  query = np.zeros(len(out), bool)
+  for begin, q_len in zip(index["query_starts"], case.q_lens):
+    query[int(begin):int(begin) + q_len] = True
+  assert np.all(out[~query] == 0)  # padding tokens
+  np.testing.assert_array_equal(k_pages, want_k)
+  np.testing.assert_array_equal(v_pages, want_v)
+
+
+@pytest.mark.parametrize("consumers", [1, 2])
+@pytest.mark.parametrize("q_lens,gaps,tokens", [((1, 5, 0, 20), (0, 0, 0, 0), 30),
+                                                ((130, 1, 300), (2, 0, 0), 500),
+                                                ((0, 0, 3), (0, 0, 0), 3), ((7,), (0,), 400)])
+def test_tiles_start_aligned_and_store_every_token_once(q_lens, gaps, tokens, consumers):
+  starts = np.concatenate([[0], np.cumsum(np.add(q_lens, gaps))]).astype(np.int32)
+  sequences = len(q_lens)
+  meta, tables = aligned_tiles(jnp.asarray(starts), jnp.asarray(q_lens, jnp.int32),
+                               jnp.asarray(q_lens, jnp.int32) + 4,
+                               jnp.arange(sequences, dtype=jnp.int32)[:, None], tokens,
+                               consumers)
+  first, q_begin, q_len, _, region_begin, region_end, active = np.asarray(meta)
+  assert np.all(first % ALIGN == 0)
+  owner = np.full(tokens, -1)
+  for t in range(meta.shape[1]):
+    stored = np.arange(max(first[t], region_begin[t]),
+                       min(first[t] + consumers * WG_ROWS, region_end[t]))
+    assert np.all(owner[stored] == -1), t
+    owner[stored] = t
+    if active[t]:  # its sequence's block table and query tokens
+      seq = int(np.searchsorted(starts[1:], q_begin[t], side="right"))
+      assert tables[t, 0] == seq and q_len[t] == q_lens[seq]
+  assert np.all(owner >= 0)  # every token's row stored, the padding's too
+
+
+def test_bad_inputs_raise_naming_the_argument():
+  case = CASES[0]
+  arrays, index = _inputs(case, width=8)
+  arrays = _fused(arrays)
+  call = functools.partial(mosaic_prefill_attention, layer=jnp.int32(0), interpret=True)
+  with pytest.raises(ValueError, match="bfloat16 or float16"):
+    call(**{k: v.astype(jnp.float32) for k, v in arrays.items()}, **index)
+  with pytest.raises(ValueError, match="head_dim must be a multiple of 64"):
+    call(**{k: v[..., :32] for k, v in arrays.items()}, **index)
+  small = dict(arrays, k_pages=arrays["k_pages"][:, :, :32], v_pages=arrays["v_pages"][:, :, :32])
+  with pytest.raises(ValueError, match="page size C must be a multiple of 64"):
+    call(**small, **index)
+  with pytest.raises(ValueError, match="max_concurrent_steps must be an int >= 1"):
+    MosaicPrefillConfig(max_concurrent_steps=0)
+  with pytest.raises(ValueError, match="consumers must be 1 or 2"):
+    MosaicPrefillConfig(consumers=3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_lowers_to_mosaic_gpu_for_h200(head_dim):
+  heads, kv_heads, tokens, sequences, width, page = 32, 8, 4096, 4, 32, 64
+  spec = jax.ShapeDtypeStruct
+  pages = spec((2, sequences * width + 1, page, kv_heads, head_dim), jnp.bfloat16)
+  text = lower_for_h200(
+      lambda *args: mosaic_prefill_attention(*args),
+      spec((tokens, heads + 2 * kv_heads, head_dim), jnp.bfloat16), pages, pages,
+      spec((), jnp.int32), spec((sequences, width), jnp.int32), spec((sequences,), jnp.int32),
+      spec((sequences + 1,), jnp.int32), donate_argnums=(1, 2))
+  assert len(re.findall(r"custom_call @mosaic_gpu\w*\(", text)) == 1
