@@ -60,9 +60,11 @@ PAGED_PREFILL_CONFIGS = tuple(
     for rows, block_k, warps, stages in (
         (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2),
         (128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (256, 64, 8, 2)))
-# The Mosaic GPU prompt-chunk kernel: attending warpgroups, key/value blocks in flight.
-MOSAIC_PREFILL_CONFIGS = tuple(MosaicPrefillConfig(consumers=consumers, max_concurrent_steps=steps)
-                               for consumers, steps in ((2, 2), (2, 3), (2, 4), (1, 2), (1, 4)))
+# The Mosaic GPU prompt-chunk kernel: attending warpgroups, key/value blocks in flight, turns.
+MOSAIC_PREFILL_CONFIGS = tuple(
+    MosaicPrefillConfig(consumers=consumers, max_concurrent_steps=steps, pingpong=pingpong)
+    for consumers, steps, pingpong in ((2, 2, True), (2, 3, True), (2, 4, True), (2, 2, False),
+                                       (1, 2, False), (1, 4, False)))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
@@ -304,7 +306,8 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
                rel_error_vs_xla=_paged_error(inputs, best),
                pallas_tflops=flops / best_us / 1e6,
                mosaic_us=mosaic_us, mosaic_config=dataclasses.asdict(mosaic_best),
-               mosaic_all_us={f"c{c.consumers}_steps{c.max_concurrent_steps}": us
+               mosaic_all_us={f"c{c.consumers}_steps{c.max_concurrent_steps}"
+                              f"{'_pingpong' if c.pingpong and c.consumers == 2 else ''}": us
                               for us, c in mosaic},
                mosaic_rel_error=_paged_error(inputs, mosaic_best),
                mosaic_tflops=flops / mosaic_us / 1e6)

@@ -54,10 +54,12 @@ _DTYPES = (jnp.bfloat16, jnp.float16)
 class MosaicPrefillConfig:
   """Launch settings: `consumers` attending warpgroups per program (a tile holds 64 tokens
   each; 1 or 2), `max_concurrent_steps` key/value blocks in flight per program (SMEM buffers
-  of 2 x 64 x H each)."""
+  of 2 x 64 x H each); `pingpong` (two consumers): they take turns at the tensor cores, one's
+  softmax running while the other's products do (FlashAttention-3's schedule)."""
 
   consumers: int = 2
   max_concurrent_steps: int = 2
+  pingpong: bool = True
 
   def __post_init__(self):
     if self.consumers not in (1, 2):
@@ -128,8 +130,8 @@ def _store_rows(o_smem, out_gmem, first_token, lo, hi, head) -> None:
 
 def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, out_ref,
             q_smem, o_smem, k_smem, v_smem, q_barriers, k_barriers, v_barriers, k_consumed,
-            v_consumed, p_smem=None, *, sm_scale: float, heads: int, steps: int,
-            consumers: int):
+            v_consumed, schedule, p_smem=None, *, sm_scale: float, heads: int, steps: int,
+            consumers: int, pingpong: bool):
   """One (tile, query head) program; warpgroups 0 and 1 attend, warpgroup 2 loads."""
   tile, head = lax.axis_index("tile"), lax.axis_index("head")
   wg = lax.axis_index("wg")
@@ -167,6 +169,11 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
     first_row_position = first_position + first_token - q_begin
     scale = sm_scale * _LOG2E
 
+    def take_turn():  # (pingpong: both consumers meet; the turns alternate from there)
+      if pingpong:
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
     def step(index, carry, mask: str | None, key_start=None):
       """One key block; `mask`: None (every row sees every key), "cached" (keys at
       key_start + j below first_position) or "own" (keys at key_start + j from
@@ -177,6 +184,7 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
 
       def qk_scope(acc_ref):
         plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
+        take_turn()
         return acc_ref[...]
       # [64, 64] raw scores
       scores = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block), jnp.float32))
@@ -197,7 +205,12 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
       probs = jnp.exp2(scores * scale - lax.broadcast_in_dim(new_max, scores.shape, [0]))
       denom = denom * rescale + probs.sum(axis=1)
       probs = probs.astype(qo.dtype)
+      if pingpong:  # softmax done; wait for the values, then for the tensor cores
+        new_max, denom, probs = lax.optimization_barrier((new_max, denom, probs))
+        plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(v_barriers.at[slot])
+      if pingpong:
+        plgpu.barrier_wait(schedule)
       if p_smem is not None:  # (the interpreter's wgmma takes its operands from SMEM only)
         p_smem.at[wg][...] = probs
         plgpu.commit_smem()
@@ -216,6 +229,9 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
              plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32),
                                plgpu.Layout.WGMMA.reduce(1)),
              plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+    # Every consumer meets the schedule barrier 2 kv_steps + 1 times: the second starts a turn
+    # behind the first.
+    pl.when(wg == 1)(take_turn)
     # Cached keys: every row sees them all; only a last partial block is masked.
     whole_cached = jnp.minimum(first_position // block, cached_steps)
     carry = lax.fori_loop(0, whole_cached, lambda i, c: step(i, c, None), carry)
@@ -231,6 +247,7 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
     carry = lax.fori_loop(cached_steps, lead, lambda i, c: own(i, c, "own"), carry)
     carry = lax.fori_loop(lead, whole_end, lambda i, c: own(i, c, None), carry)
     acc, _, denom = lax.fori_loop(whole_end, kv_steps, lambda i, c: own(i, c, "own"), carry)
+    pl.when(wg == 0)(take_turn)
 
     # [64, H]: rows of query tokens normalised, the region's padding rows zeros
     rows = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, head_dim), 0, layout=plgpu.Layout.WGMMA)
@@ -326,7 +343,7 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
   steps = config.max_concurrent_steps
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   kernel = functools.partial(_kernel, sm_scale=float(sm_scale), heads=heads, steps=steps,
-                             consumers=consumers)
+                             consumers=consumers, pingpong=config.pingpong and consumers == 2)
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((tokens, heads, head_dim), qkv.dtype),
@@ -340,6 +357,7 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
           plgpu.Barrier(num_barriers=steps),
           plgpu.Barrier(num_arrivals=consumers, num_barriers=steps),
           plgpu.Barrier(num_arrivals=consumers, num_barriers=steps),
+          plgpu.Barrier(num_arrivals=consumers),
       ] + ([plgpu.SMEM((consumers, WG_ROWS, WG_ROWS), qkv.dtype, transforms=swizzled)]
            if interpret else []),
       grid=(meta.shape[1], heads),
