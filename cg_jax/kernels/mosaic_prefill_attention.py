@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cg_jax.kernels.ragged_paged_attention import _check, _query_lens, token_positions
+from cg_jax.kernels.ragged_paged_attention import checked_layout, token_positions
 
 # wgmma's rows per warpgroup, and the positions per key block (a TMA box of 64 bf16 rows).
 WG_ROWS = 64
@@ -318,12 +318,8 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
   """`ragged_paged_attention`'s computation (same arguments and results) on the Mosaic GPU
   backend: qkv bfloat16 or float16 with H a multiple of 64, the page size C a multiple of 64.
   `interpret`: run in the Mosaic GPU interpreter (CPU tests)."""
-  query_starts = query_starts.astype(jnp.int32)
-  query_lens = _query_lens(query_starts, query_lens)
-  _check(qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
-  tokens, _, head_dim = qkv.shape
-  page_size, kv_heads = k_pages.shape[2], k_pages.shape[3]
-  heads = qkv.shape[1] - 2 * kv_heads
+  query_starts, query_lens, tokens, head_dim, page_size, kv_heads, heads = checked_layout(
+      qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
   if qkv.dtype not in _DTYPES:
     raise ValueError(f"qkv dtype must be bfloat16 or float16 for the Mosaic GPU kernel; got "
                      f"{qkv.dtype}")

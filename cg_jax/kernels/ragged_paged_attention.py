@@ -129,6 +129,18 @@ def _check(qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_le
                      f"{k_pages.dtype}, v_pages {v_pages.dtype}")
 
 
+def checked_layout(qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens):
+  """The arguments checked (`_check`) and read: (query_starts int32, query_lens int32 (each
+  region's length when None), A tokens, H head_dim, C page size, K KV heads, N query heads)."""
+  query_starts = query_starts.astype(jnp.int32)
+  query_lens = _query_lens(query_starts, query_lens)
+  _check(qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
+  tokens, _, head_dim = qkv.shape
+  page_size, kv_heads = k_pages.shape[2], k_pages.shape[3]
+  return (query_starts, query_lens, tokens, head_dim, page_size, kv_heads,
+          qkv.shape[1] - 2 * kv_heads)
+
+
 def split_qkv(qkv, kv_heads: int):
   """qkv [..., N + 2K, H] -> (q [..., N, H], k [..., K, H], v [..., K, H])."""
   heads = qkv.shape[-2] - 2 * kv_heads
@@ -524,12 +536,8 @@ def ragged_paged_attention(qkv, k_pages, v_pages, layer, block_tables, seq_lens,
   Returns:
     (out [A, N, H] in qkv's dtype, zeros for padding tokens; k_pages; v_pages).
   """
-  query_starts = query_starts.astype(jnp.int32)
-  query_lens = _query_lens(query_starts, query_lens)
-  _check(qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
-  tokens, _, head_dim = qkv.shape
-  page_size, kv_heads = k_pages.shape[2], k_pages.shape[3]
-  heads = qkv.shape[1] - 2 * kv_heads
+  query_starts, query_lens, tokens, head_dim, page_size, kv_heads, heads = checked_layout(
+      qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
   if qkv.dtype not in _KERNEL_DTYPES:
     raise ValueError(f"qkv dtype must be float32 or bfloat16 for the kernel; got {qkv.dtype}")
   if not is_power_of_two(head_dim) or head_dim < MIN_DOT_DIM:

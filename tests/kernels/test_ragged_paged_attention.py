@@ -144,14 +144,20 @@ def test_matches_float64_attention_and_writes_only_the_new_slots(case, kernel):
     got = jax.jit(ragged_attention_xla)(
         arrays["q"], arrays["k_new"], arrays["v_new"], arrays["k_pages"], arrays["v_pages"],
         jnp.int32(layer), index["block_tables"], index["seq_lens"], index["query_starts"], lens)
+  check_result(case, index, got, (want, want_k, want_v), f"{kernel} attention")
+
+
+def check_result(case: Case, index, got, expected, what: str) -> None:
+  """A kernel's (out, k_pages, v_pages) against `_expected`'s: attention within the dtype's
+  tolerance, zeros for padding tokens, the written slots holding the new keys exactly (cast to
+  the pages' dtype) and every other slot, and the other layer, untouched."""
   out, k_pages, v_pages = (np.asarray(x, np.float64) for x in got)
-  assert_kernel_close(out, want, case.dtype, f"{kernel} attention")
+  want, want_k, want_v = expected
+  assert_kernel_close(out, want, case.dtype, what)
   query = np.zeros(len(out), bool)
   for begin, q_len in zip(index["query_starts"], case.q_lens):
     query[int(begin):int(begin) + q_len] = True
   assert np.all(out[~query] == 0)  # padding tokens
-  # Written slots hold the new keys exactly (cast to the pages' dtype); every other slot, and
-  # the other layer, is untouched.
   np.testing.assert_array_equal(k_pages, want_k)
   np.testing.assert_array_equal(v_pages, want_v)
 
