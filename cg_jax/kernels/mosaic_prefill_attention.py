@@ -12,7 +12,8 @@ jax's Mosaic GPU FlashAttention-3 example at 1.2x SDPA on the same shapes, atten
      streams key and value blocks of 64 positions into SMEM with TMA, `max_concurrent_steps`
      blocks ahead.
   2. Keys. The producer streams the sequence's cached positions [0, first query position) from
-     its pages (block b: page tables[b 64 // C], a block within one page, so C % 64 == 0), then
+     its pages (a block of 64 positions: one TMA copy within a page, or one per page when
+     pages hold 16 or 32), then
      the tokens' own keys from qkv [A, N + 2K, H] in place, in blocks of 64 tokens from the
      sequence's first query token rounded down to ALIGN, up to the tile's last token. Every
      consumer takes every block; each masks only the blocks that need it (the cached keys' last partial block, its
@@ -266,6 +267,8 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
     width = tables_ref.shape[1]
+    chunk = min(page_size, block)
+    copies = block // chunk
     key_head, value_head = heads + kv_head, heads + kv_heads + kv_head
 
     @pl.loop(0, kv_steps)
@@ -277,22 +280,30 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
 
+      # A block is `copies` TMA copies of `chunk` rows (one page each when pages are smaller
+      # than a block); each arrives on the slot's barrier.
       @pl.when(index < cached_steps)
       def _cached():
-        position = index * block
-        page = tables_ref[tile, jnp.minimum(position // page_size, width - 1)]
-        window = (layer, page, pl.ds(pl.multiple_of(position % page_size, block), block),
-                  kv_head)
-        plgpu.copy_gmem_to_smem(k_pages_ref.at[window], k_smem.at[slot], k_barriers.at[slot])
-        plgpu.copy_gmem_to_smem(v_pages_ref.at[window], v_smem.at[slot], v_barriers.at[slot])
+        for c in range(copies):
+          position = index * block + c * chunk
+          page = tables_ref[tile, jnp.minimum(position // page_size, width - 1)]
+          window = (layer, page, pl.ds(pl.multiple_of(position % page_size, chunk), chunk),
+                    kv_head)
+          rows = pl.ds(c * chunk, chunk)
+          plgpu.copy_gmem_to_smem(k_pages_ref.at[window], k_smem.at[slot, rows],
+                                  k_barriers.at[slot])
+          plgpu.copy_gmem_to_smem(v_pages_ref.at[window], v_smem.at[slot, rows],
+                                  v_barriers.at[slot])
 
       @pl.when(index >= cached_steps)
       def _own():
-        token = pl.multiple_of(base + (index - cached_steps) * block, ALIGN)
-        plgpu.copy_gmem_to_smem(qkv_ref.at[pl.ds(token, block), key_head], k_smem.at[slot],
-                                k_barriers.at[slot])
-        plgpu.copy_gmem_to_smem(qkv_ref.at[pl.ds(token, block), value_head], v_smem.at[slot],
-                                v_barriers.at[slot])
+        for c in range(copies):
+          token = pl.multiple_of(base + (index - cached_steps) * block + c * chunk, ALIGN)
+          rows = pl.ds(c * chunk, chunk)
+          plgpu.copy_gmem_to_smem(qkv_ref.at[pl.ds(token, chunk), key_head],
+                                  k_smem.at[slot, rows], k_barriers.at[slot])
+          plgpu.copy_gmem_to_smem(qkv_ref.at[pl.ds(token, chunk), value_head],
+                                  v_smem.at[slot, rows], v_barriers.at[slot])
 
     @pl.loop(jnp.maximum(kv_steps - steps, 0), kv_steps)
     def _drain(index):  # the last blocks' releases, so that no barrier phase goes unobserved
@@ -316,7 +327,8 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
                              config: MosaicPrefillConfig = MosaicPrefillConfig(),
                              interpret: bool = False):
   """`ragged_paged_attention`'s computation (same arguments and results) on the Mosaic GPU
-  backend: qkv bfloat16 or float16 with H a multiple of 64, the page size C a multiple of 64.
+  backend: qkv bfloat16 or float16 with H a multiple of 64, the page size C 16, 32 or a
+  multiple of 64.
   `interpret`: run in the Mosaic GPU interpreter (CPU tests)."""
   query_starts, query_lens, tokens, head_dim, page_size, kv_heads, heads = checked_layout(
       qkv, k_pages, v_pages, block_tables, seq_lens, query_starts, query_lens)
@@ -326,9 +338,10 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
   if head_dim % 64:
     raise ValueError(f"qkv head_dim must be a multiple of 64 for the Mosaic GPU kernel; got qkv "
                      f"{tuple(qkv.shape)}")
-  if page_size % WG_ROWS:
-    raise ValueError(f"the page size C must be a multiple of {WG_ROWS} for the Mosaic GPU "
-                     f"kernel; got k_pages {tuple(k_pages.shape)}")
+  if page_size % WG_ROWS and (page_size < 16 or WG_ROWS % page_size):
+    raise ValueError(f"the page size C must be 16, 32 or a multiple of {WG_ROWS} for the Mosaic "
+                     f"GPU kernel; got k_pages {tuple(k_pages.shape)}")
+  copies = WG_ROWS // min(page_size, WG_ROWS)  # TMA copies a key block takes
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
   seq_lens, block_tables = seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32)
@@ -349,8 +362,8 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
           plgpu.SMEM((steps, WG_ROWS, head_dim), qkv.dtype, transforms=swizzled),
           plgpu.SMEM((steps, WG_ROWS, head_dim), qkv.dtype, transforms=swizzled),
           plgpu.Barrier(num_barriers=consumers),
-          plgpu.Barrier(num_barriers=steps),
-          plgpu.Barrier(num_barriers=steps),
+          plgpu.Barrier(num_arrivals=copies, num_barriers=steps),
+          plgpu.Barrier(num_arrivals=copies, num_barriers=steps),
           plgpu.Barrier(num_arrivals=consumers, num_barriers=steps),
           plgpu.Barrier(num_arrivals=consumers, num_barriers=steps),
           plgpu.Barrier(num_arrivals=consumers),

@@ -40,6 +40,10 @@ CASES = [
     # prompt reaching past the array's end in its last key block
     Case("float16", 8, 1, (1, 9, 260), (10, 200, 0), gaps=(3, 6, 0), padding=5, head_dim=64,
          page_size=64),
+    # the engine's default pages of 16 (four copies a key block), and pages of 32
+    Case("bfloat16", 4, 2, (5, 200, 0, 1), (70, 0, 3, 130), padding=3, head_dim=64,
+         page_size=16),
+    Case("bfloat16", 4, 4, (70, 3), (33, 90), padding=0, head_dim=64, page_size=32),
 ]
 
 
@@ -52,7 +56,8 @@ CONSUMERS = [1, pytest.param(2, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("consumers", CONSUMERS)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_float64_attention_and_writes_only_the_new_slots(case, consumers):
-  arrays, index = _inputs(case, width=8)
+  longest = max(q + c for q, c in zip(case.q_lens, case.context))
+  arrays, index = _inputs(case, width=-(-longest // case.page_size))
   layer = 1
   expected = _expected(case, arrays, index, layer)  # (before the call donates the pages)
   got = mosaic_prefill_attention(**_fused(arrays), layer=jnp.int32(layer), **index,
@@ -96,18 +101,21 @@ def test_bad_inputs_raise_naming_the_argument():
     call(**{k: v.astype(jnp.float32) for k, v in arrays.items()}, **index)
   with pytest.raises(ValueError, match="head_dim must be a multiple of 64"):
     call(**{k: v[..., :32] for k, v in arrays.items()}, **index)
-  small = dict(arrays, k_pages=arrays["k_pages"][:, :, :32], v_pages=arrays["v_pages"][:, :, :32])
-  with pytest.raises(ValueError, match="page size C must be a multiple of 64"):
-    call(**small, **index)
+  for size in (8, 48):
+    small = dict(arrays, k_pages=arrays["k_pages"][:, :, :size],
+                 v_pages=arrays["v_pages"][:, :, :size])
+    with pytest.raises(ValueError, match="page size C must be 16, 32 or a multiple of 64"):
+      call(**small, **index)
   with pytest.raises(ValueError, match="max_concurrent_steps must be an int >= 1"):
     MosaicPrefillConfig(max_concurrent_steps=0)
   with pytest.raises(ValueError, match="consumers must be 1 or 2"):
     MosaicPrefillConfig(consumers=3)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_lowers_to_mosaic_gpu_for_h200(head_dim):
-  heads, kv_heads, tokens, sequences, width, page = 32, 8, 4096, 4, 32, 64
+@pytest.mark.parametrize("head_dim,page", [(64, 64), (128, 64), (64, 16)])
+def test_lowers_to_mosaic_gpu_for_h200(head_dim, page):
+  heads, kv_heads, tokens, sequences = 32, 8, 4096, 4
+  width = 2048 // page
   spec = jax.ShapeDtypeStruct
   pages = spec((2, sequences * width + 1, page, kv_heads, head_dim), jnp.bfloat16)
   text = lower_for_h200(
