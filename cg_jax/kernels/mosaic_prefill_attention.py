@@ -22,8 +22,9 @@ jax's Mosaic GPU FlashAttention-3 example at 1.2x SDPA on the same shapes, atten
      from SMEM with TMA copies of 64, 32, ..., 1 rows (a box per power of two: the row count
      is only known at run time); rows past the region are not written, so tiles never touch a
      row of another sequence.
-  4. The new keys and values are written into their pages outside the kernel (one scatter per
-     call; nothing here reads a slot the call writes).
+  4. The write. The programs of each KV group's first query head store their tile's new keys
+     and values into the pages (the caches are aliased to the outputs), in runs that end at
+     page ends; nothing reads a slot the call writes.
 
 The launch settings are `MosaicPrefillConfig`'s. The kernel runs under the Mosaic GPU
 interpreter on the CPU (`interpret=True`: tests; its wgmma takes both operands from SMEM, so
@@ -49,6 +50,8 @@ WG_ROWS = 64
 ALIGN = 8  # tokens: a tile's and a key block's first token is a multiple of it
 _LOG2E = math.log2(math.e)
 _DTYPES = (jnp.bfloat16, jnp.float16)
+# Whether this jax runs the kernel (refs passed to a Mosaic GPU kernel; the interpreter).
+SUPPORTED = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,18 +111,19 @@ def aligned_tiles(query_starts, query_lens, seq_lens, block_tables, tokens: int,
   return meta, block_tables[seq]
 
 
-def _store_rows(o_smem, out_gmem, first_token, lo, hi, head) -> None:
-  """Rows [lo, hi) of o_smem [64, H] (0 <= lo <= hi <= 64, known at run time) to
-  out_gmem[first_token + i, head]: all 64 in one TMA copy, else one copy per set bit of the
-  count, 32 rows down to 1."""
+def _store_rows(o_smem, out_gmem, first_token, lo, hi, head, most: int = WG_ROWS) -> None:
+  """Rows [lo, hi) of o_smem [64, H] (0 <= lo <= hi, hi - lo <= most, known at run time) to
+  out_gmem[first_token + i, head]: `most` rows (a power of two <= 64) in one TMA copy, else one
+  copy per set bit of the count, most / 2 rows down to 1."""
   count = hi - lo
 
-  @pl.when(count == WG_ROWS)
+  @pl.when(count == most)
   def _whole():
-    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(first_token, WG_ROWS), head])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(lo, most)],
+                            out_gmem.at[pl.ds(first_token + lo, most), head])
 
   start = lo
-  size = WG_ROWS // 2
+  size = most // 2
   while size >= 1:
     @pl.when((count & size) != 0)
     def _copy(start=start, size=size):
@@ -131,7 +135,8 @@ def _store_rows(o_smem, out_gmem, first_token, lo, hi, head) -> None:
 
 def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, out_ref,
             q_smem, o_smem, k_smem, v_smem, q_barriers, k_barriers, v_barriers, k_consumed,
-            v_consumed, schedule, p_smem=None, *, sm_scale: float, heads: int, steps: int,
+            v_consumed, schedule, w_smem, w_barrier, p_smem=None, *, sm_scale: float,
+            heads: int, steps: int,
             consumers: int, pingpong: bool):
   """One (tile, query head) program; warpgroups 0 and 1 attend, warpgroup 2 loads."""
   tile, head = lax.axis_index("tile"), lax.axis_index("head")
@@ -310,14 +315,34 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
       plgpu.barrier_wait(k_consumed.at[index % steps])
       plgpu.barrier_wait(v_consumed.at[index % steps])
 
+    # The write: the first query head of each KV group's program stores its tile's new keys
+    # and values into their pages, 64 tokens at a time through w_smem [2, 64, H] (untiled, so a
+    # run can start at any row), in runs that end at page ends, each run's rows by
+    # `_store_rows`. No program reads a slot this call writes.
+    @pl.when(active & (head % (heads // kv_heads) == 0))
+    def _write():
+      for part in range(consumers):
+        first_token = pl.multiple_of(tile_first + part * WG_ROWS, ALIGN)
+        lo = jnp.clip(q_begin - first_token, 0, WG_ROWS)  # rows of query tokens
+        hi = jnp.clip(q_begin + q_len - first_token, lo, WG_ROWS)
 
-def _interpreter():
-  """The Mosaic GPU interpreter's parameters (public from jax 0.11)."""
-  params = getattr(plgpu, "InterpretGPUParams", None)
-  if params is None:
-    raise NotImplementedError(f"the Mosaic GPU interpreter needs jax >= 0.11; this is jax "
-                              f"{jax.__version__}")
-  return params()
+        @pl.when(hi > lo)
+        def _part():
+          for at, buffer in ((key_head, 0), (value_head, 1)):
+            plgpu.copy_gmem_to_smem(qkv_ref.at[pl.ds(first_token, WG_ROWS), at],
+                                    w_smem.at[buffer], w_barrier)
+          plgpu.barrier_wait(w_barrier)
+          start = lo
+          for _ in range(WG_ROWS // min(page_size, WG_ROWS) + 1):  # (runs: one a page)
+            position = first_position + first_token + start - q_begin
+            run = jnp.minimum(hi - start, page_size - position % page_size)
+            page = tables_ref[tile, jnp.clip(position // page_size, 0, width - 1)]
+            slot = position % page_size
+            for pages_ref, buffer in ((k_pages_ref, 0), (v_pages_ref, 1)):
+              _store_rows(w_smem.at[buffer], pages_ref.at[layer, page], slot - start, start,
+                          start + jnp.maximum(run, 0), kv_head, min(page_size, WG_ROWS))
+            start = start + jnp.maximum(run, 0)
+          plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"),
@@ -342,6 +367,10 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
     raise ValueError(f"the page size C must be 16, 32 or a multiple of {WG_ROWS} for the Mosaic "
                      f"GPU kernel; got k_pages {tuple(k_pages.shape)}")
   copies = WG_ROWS // min(page_size, WG_ROWS)  # TMA copies a key block takes
+  if not SUPPORTED:
+    raise NotImplementedError(f"the Mosaic GPU prompt kernel needs jax >= 0.11 (its pages are "
+                              f"refs written in place; its interpreter); this is jax "
+                              f"{jax.__version__}")
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
   seq_lens, block_tables = seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32)
@@ -353,7 +382,7 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   kernel = functools.partial(_kernel, sm_scale=float(sm_scale), heads=heads, steps=steps,
                              consumers=consumers, pingpong=config.pingpong and consumers == 2)
-  out = plgpu.kernel(
+  call = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((tokens, heads, head_dim), qkv.dtype),
       scratch_types=[
@@ -367,6 +396,8 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
           plgpu.Barrier(num_arrivals=consumers, num_barriers=steps),
           plgpu.Barrier(num_arrivals=consumers, num_barriers=steps),
           plgpu.Barrier(num_arrivals=consumers),
+          plgpu.SMEM((2, WG_ROWS, head_dim), qkv.dtype),
+          plgpu.Barrier(num_arrivals=2),
       ] + ([plgpu.SMEM((consumers, WG_ROWS, WG_ROWS), qkv.dtype, transforms=swizzled)]
            if interpret else []),
       grid=(meta.shape[1], heads),
@@ -374,14 +405,10 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpreter() if interpret else None,
-  )(meta, tables, layer, qkv, k_pages, v_pages)
-  # The new keys and values into their pages (padding tokens aim past them: dropped).
-  seq, real, position = token_positions(query_starts, query_lens, seq_lens, tokens)
-  page = jnp.where(real, block_tables[seq, jnp.clip(position // page_size, 0,
-                                                    block_tables.shape[1] - 1)], k_pages.shape[1])
-  slot = position % page_size
-  layer = layer[0]
-  k_pages = k_pages.at[layer, page, slot].set(qkv[:, heads:heads + kv_heads], mode="drop")
-  v_pages = v_pages.at[layer, page, slot].set(qkv[:, heads + kv_heads:], mode="drop")
-  return out, k_pages, v_pages
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+
+  # The pages as refs: the kernel's writes update them in place (donated: no copy).
+  k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)
+  out = call(meta, tables, layer, qkv, k_ref, v_ref)
+  return out, jax.freeze(k_ref), jax.freeze(v_ref)

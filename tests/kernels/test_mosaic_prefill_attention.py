@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cg_jax.kernels.mosaic_prefill_attention import (ALIGN, WG_ROWS,
+from cg_jax.kernels.mosaic_prefill_attention import (ALIGN, SUPPORTED, WG_ROWS,
                                                      MosaicPrefillConfig, aligned_tiles,
                                                      mosaic_prefill_attention)
 from tests.kernels.kernel_test_base import lower_for_h200
@@ -51,8 +50,11 @@ CONSUMERS = [1, pytest.param(2, marks=pytest.mark.skipif(
     (os.cpu_count() or 1) < 4, reason="the interpreter's three warpgroups need 4 cores"))]
 
 
-@pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
-                    reason=f"the Mosaic GPU interpreter needs jax >= 0.11 (jax {jax.__version__})")
+NEEDS_0_11 = pytest.mark.skipif(not SUPPORTED,
+                                reason=f"the kernel needs jax >= 0.11 (jax {jax.__version__})")
+
+
+@NEEDS_0_11
 @pytest.mark.parametrize("consumers", CONSUMERS)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_float64_attention_and_writes_only_the_new_slots(case, consumers):
@@ -110,8 +112,12 @@ def test_bad_inputs_raise_naming_the_argument():
     MosaicPrefillConfig(max_concurrent_steps=0)
   with pytest.raises(ValueError, match="consumers must be 1 or 2"):
     MosaicPrefillConfig(consumers=3)
+  if not SUPPORTED:  # (the py311 lane's jax 0.10)
+    with pytest.raises(NotImplementedError, match="needs jax >= 0.11"):
+      call(**arrays, **index)
 
 
+@NEEDS_0_11
 @pytest.mark.parametrize("head_dim,page", [(64, 64), (128, 64), (64, 16)])
 def test_lowers_to_mosaic_gpu_for_h200(head_dim, page):
   heads, kv_heads, tokens, sequences = 32, 8, 4096, 4
