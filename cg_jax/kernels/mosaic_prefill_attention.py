@@ -13,11 +13,12 @@ jax's Mosaic GPU FlashAttention-3 example at 1.2x SDPA on the same shapes, atten
      blocks ahead.
   2. Keys. The producer streams the sequence's cached positions [0, first query position) from
      its pages (a block of 64 positions: one TMA copy within a page, or one per page when
-     pages hold 16 or 32), then
-     the tokens' own keys from qkv [A, N + 2K, H] in place, in blocks of 64 tokens from the
-     sequence's first query token rounded down to ALIGN, up to the tile's last token. Every
-     consumer takes every block; each masks only the blocks that need it (the cached keys' last partial block, its
-     causal own blocks), with the online softmax in base 2 (scale folded into one multiply-add).
+     pages hold 16 or 32), then the tokens' own keys from qkv [A, N + 2K, H] in place, in
+     blocks of 64 tokens from the sequence's first query token rounded down to ALIGN, up to the
+     tile's last token. Every consumer takes every block; each masks only the blocks that need
+     it (the cached keys' last partial block, own blocks holding earlier tokens or positions
+     past its first row), with the online softmax in base 2 (the scale folded into one
+     multiply-add).
   3. Out. Each consumer stores its rows of the region (padding tokens of the region: zeros)
      from SMEM with TMA copies of 64, 32, ..., 1 rows (a box per power of two: the row count
      is only known at run time); rows past the region are not written, so tiles never touch a
@@ -43,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cg_jax.kernels.ragged_paged_attention import checked_layout, token_positions
+from cg_jax.kernels.ragged_paged_attention import checked_layout
 
 # wgmma's rows per warpgroup, and the positions per key block (a TMA box of 64 bf16 rows).
 WG_ROWS = 64
@@ -74,20 +75,21 @@ class MosaicPrefillConfig:
 
 
 # The fields of `aligned_tiles`' first result, one row each.
-TILE_FIELDS = 7
+TILE_FIELDS = 6
 
 
 def aligned_tiles(query_starts, query_lens, seq_lens, block_tables, tokens: int,
                   consumers: int):
-  """Tiles of `consumers` x 64 tokens whose first token is a multiple of ALIGN (Mosaic GPU's TMA
-  copy into a tiled SMEM buffer starts at a multiple of its 8-row tiles): sequence r's tiles cover its region
-  [query_starts[r], query_starts[r + 1]) from its start rounded down to ALIGN (rows before the
-  region are not stored), and the tokens past query_starts[R] get tiles of their own (zeros).
+  """Tiles of `consumers` x 64 tokens whose first token is a multiple of ALIGN (Mosaic GPU's
+  TMA copy into a tiled SMEM buffer starts at a multiple of its 8-row tiles): sequence r's
+  tiles cover its region [query_starts[r], query_starts[r + 1]) from its start rounded down to
+  ALIGN (rows before the region are not stored), and the tokens past query_starts[R] get tiles
+  of their own (zeros).
 
-  Returns (meta [TILE_FIELDS, X] int32: each tile's first token, its sequence's first query
-  token, query tokens (0 when inactive), sequence length, region start and end, 1 if it holds
-  query tokens; tables [X, W]: its sequence's block table), X = an upper bound of the tiles
-  (those past them all have an empty region)."""
+  Returns (meta [TILE_FIELDS, X] int32: each tile's first token, its region's first token (the
+  sequence's first query token), query tokens (0 when inactive), sequence length, region end,
+  1 if it holds query tokens; tables [X, W]: its sequence's block table), X = an upper bound
+  of the tiles (those past them all have an empty region)."""
   sequences = query_starts.shape[0] - 1
   tile = consumers * WG_ROWS
   count = pl.cdiv(tokens + ALIGN * (sequences + 1), tile) + sequences + 1
@@ -106,7 +108,7 @@ def aligned_tiles(query_starts, query_lens, seq_lens, block_tables, tokens: int,
   active = owner < sequences
   q_lens = jnp.where(active, query_lens[seq], 0)
   meta = jnp.stack([aligned[region] + (index - first) * tile, begins[region], q_lens,
-                    seq_lens[seq], begins[region], jnp.where(held, ends[region], 0),
+                    seq_lens[seq], jnp.where(held, ends[region], 0),
                     (active & (q_lens > 0)).astype(jnp.int32)]).astype(jnp.int32)
   return meta, block_tables[seq]
 
@@ -136,15 +138,17 @@ def _store_rows(o_smem, out_gmem, first_token, lo, hi, head, most: int = WG_ROWS
 def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, out_ref,
             q_smem, o_smem, k_smem, v_smem, q_barriers, k_barriers, v_barriers, k_consumed,
             v_consumed, schedule, w_smem, w_barrier, p_smem=None, *, sm_scale: float,
-            heads: int, steps: int,
-            consumers: int, pingpong: bool):
-  """One (tile, query head) program; warpgroups 0 and 1 attend, warpgroup 2 loads."""
+            heads: int, steps: int, consumers: int, pingpong: bool):
+  """One (tile, query head) program: warpgroups 0 .. consumers - 1 attend, the last one loads
+  the keys and values (and writes the new ones into the pages). Refs as `aligned_tiles` and
+  `mosaic_prefill_attention` give them (whole arrays in GMEM), then the SMEM buffers and
+  barriers of the kernel's scratch list."""
   tile, head = lax.axis_index("tile"), lax.axis_index("head")
   wg = lax.axis_index("wg")
   kv_heads, page_size = k_pages_ref.shape[3], k_pages_ref.shape[2]
   kv_head = head // (heads // kv_heads)
   layer = layer_ref[0]
-  tile_first, q_begin, q_len, seq_len, region_begin, region_end, active = (
+  tile_first, q_begin, q_len, seq_len, region_end, active = (
       meta_ref[field, tile] for field in range(TILE_FIELDS))
   tile_first = pl.multiple_of(tile_first, ALIGN)
   first_position = seq_len - q_len
@@ -263,7 +267,7 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
     o_smem.at[wg][...] = out.astype(o_smem.dtype)
     plgpu.commit_smem()
     # Stored: the rows inside the tile's region.
-    lo = jnp.clip(region_begin - first_token, 0, WG_ROWS)
+    lo = jnp.clip(q_begin - first_token, 0, WG_ROWS)
     hi = jnp.clip(region_end - first_token, lo, WG_ROWS)
     _store_rows(o_smem.at[wg], out_ref, first_token, lo, hi, head)
     plgpu.wait_smem_to_gmem(0)

@@ -80,11 +80,11 @@ def test_tiles_start_aligned_and_store_every_token_once(q_lens, gaps, tokens, co
                                jnp.asarray(q_lens, jnp.int32) + 4,
                                jnp.arange(sequences, dtype=jnp.int32)[:, None], tokens,
                                consumers)
-  first, q_begin, q_len, _, region_begin, region_end, active = np.asarray(meta)
+  first, q_begin, q_len, _, region_end, active = np.asarray(meta)
   assert np.all(first % ALIGN == 0)
   owner = np.full(tokens, -1)
   for t in range(meta.shape[1]):
-    stored = np.arange(max(first[t], region_begin[t]),
+    stored = np.arange(max(first[t], q_begin[t]),
                        min(first[t] + consumers * WG_ROWS, region_end[t]))
     assert np.all(owner[stored] == -1), t
     owner[stored] = t
