@@ -62,9 +62,11 @@ PAGED_PREFILL_CONFIGS = tuple(
         (128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (256, 64, 8, 2)))
 # The Mosaic GPU prompt-chunk kernel: attending warpgroups, key/value blocks in flight, turns.
 MOSAIC_PREFILL_CONFIGS = tuple(
-    MosaicPrefillConfig(consumers=consumers, max_concurrent_steps=steps, pingpong=pingpong)
-    for consumers, steps, pingpong in ((2, 2, True), (2, 3, True), (2, 4, True), (2, 2, False),
-                                       (1, 2, False), (1, 4, False)))
+    MosaicPrefillConfig(consumers=consumers, max_concurrent_steps=steps, pingpong=pingpong,
+                        block_kv=block)
+    for consumers, steps, pingpong, block in (
+        (2, 2, True, 64), (2, 3, True, 64), (2, 4, True, 64), (2, 2, False, 64), (1, 2, False, 64),
+        (1, 4, False, 64), (2, 2, True, 128), (2, 3, True, 128)))
 INTERPRET = False  # --smoke: run the kernels in the Pallas interpreter (CPU check of the script)
 
 
@@ -306,7 +308,7 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
                rel_error_vs_xla=_paged_error(inputs, best),
                pallas_tflops=flops / best_us / 1e6,
                mosaic_us=mosaic_us, mosaic_config=dataclasses.asdict(mosaic_best),
-               mosaic_all_us={f"c{c.consumers}_steps{c.max_concurrent_steps}"
+               mosaic_all_us={f"c{c.consumers}_steps{c.max_concurrent_steps}_k{c.block_kv}"
                               f"{'_pingpong' if c.pingpong and c.consumers == 2 else ''}": us
                               for us, c in mosaic},
                mosaic_rel_error=_paged_error(inputs, mosaic_best),

@@ -12,9 +12,9 @@ jax's Mosaic GPU FlashAttention-3 example at 1.2x SDPA on the same shapes, atten
      streams key and value blocks of 64 positions into SMEM with TMA, `max_concurrent_steps`
      blocks ahead.
   2. Keys. The producer streams the sequence's cached positions [0, first query position) from
-     its pages (a block of 64 positions: one TMA copy within a page, or one per page when
-     pages hold 16 or 32), then the tokens' own keys from qkv [A, N + 2K, H] in place, in
-     blocks of 64 tokens from the sequence's first query token rounded down to ALIGN, up to the
+     its pages (a block of block_kv positions: one TMA copy within a page, or one per page when
+     pages are smaller), then the tokens' own keys from qkv [A, N + 2K, H] in place, in blocks
+     of block_kv tokens from the sequence's first query token rounded down to ALIGN, up to the
      tile's last token. Every consumer takes every block; each masks only the blocks that need
      it (the cached keys' last partial block, own blocks holding earlier tokens or positions
      past its first row), with the online softmax in base 2 (the scale folded into one
@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from cg_jax.kernels.ragged_paged_attention import checked_layout
 
-# wgmma's rows per warpgroup, and the positions per key block (a TMA box of 64 bf16 rows).
+# wgmma's rows per warpgroup: 64 query tokens per consumer.
 WG_ROWS = 64
 ALIGN = 8  # tokens: a tile's and a key block's first token is a multiple of it
 _LOG2E = math.log2(math.e)
@@ -59,16 +59,20 @@ SUPPORTED = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 1
 class MosaicPrefillConfig:
   """Launch settings: `consumers` attending warpgroups per program (a tile holds 64 tokens
   each; 1 or 2), `max_concurrent_steps` key/value blocks in flight per program (SMEM buffers
-  of 2 x 64 x H each); `pingpong` (two consumers): they take turns at the tensor cores, one's
-  softmax running while the other's products do (FlashAttention-3's schedule)."""
+  of 2 x block_kv x H each); `pingpong` (two consumers): they take turns at the tensor cores,
+  one's softmax running while the other's products do (FlashAttention-3's schedule);
+  `block_kv`: key positions per block (64 or 128)."""
 
   consumers: int = 2
   max_concurrent_steps: int = 2
   pingpong: bool = True
+  block_kv: int = 64
 
   def __post_init__(self):
     if self.consumers not in (1, 2):
       raise ValueError(f"consumers must be 1 or 2; got {self.consumers!r}")
+    if self.block_kv not in (64, 128):
+      raise ValueError(f"block_kv must be 64 or 128; got {self.block_kv!r}")
     if not isinstance(self.max_concurrent_steps, int) or self.max_concurrent_steps < 1:
       raise ValueError(f"max_concurrent_steps must be an int >= 1; got "
                        f"{self.max_concurrent_steps!r}")
@@ -138,7 +142,7 @@ def _store_rows(o_smem, out_gmem, first_token, lo, hi, head, most: int = WG_ROWS
 def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, out_ref,
             q_smem, o_smem, k_smem, v_smem, q_barriers, k_barriers, v_barriers, k_consumed,
             v_consumed, schedule, w_smem, w_barrier, p_smem=None, *, sm_scale: float,
-            heads: int, steps: int, consumers: int, pingpong: bool):
+            heads: int, steps: int, consumers: int, pingpong: bool, block: int):
   """One (tile, query head) program: warpgroups 0 .. consumers - 1 attend, the last one loads
   the keys and values (and writes the new ones into the pages). Refs as `aligned_tiles` and
   `mosaic_prefill_attention` give them (whole arrays in GMEM), then the SMEM buffers and
@@ -153,7 +157,6 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
   tile_first = pl.multiple_of(tile_first, ALIGN)
   first_position = seq_len - q_len
   active = active > 0
-  block = WG_ROWS
   # The tile's keys: cached blocks over positions [0, first_position) from the pages, then own
   # blocks of tokens from `base` (q_begin rounded down; keys before q_begin are masked) up to
   # the tile's last query token.
@@ -367,10 +370,14 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
   if head_dim % 64:
     raise ValueError(f"qkv head_dim must be a multiple of 64 for the Mosaic GPU kernel; got qkv "
                      f"{tuple(qkv.shape)}")
+  block = config.block_kv
   if page_size % WG_ROWS and (page_size < 16 or WG_ROWS % page_size):
     raise ValueError(f"the page size C must be 16, 32 or a multiple of {WG_ROWS} for the Mosaic "
                      f"GPU kernel; got k_pages {tuple(k_pages.shape)}")
-  copies = WG_ROWS // min(page_size, WG_ROWS)  # TMA copies a key block takes
+  if page_size % min(page_size, block):
+    raise ValueError(f"the page size C must be a multiple of block_kv={block} when larger; got "
+                     f"k_pages {tuple(k_pages.shape)}")
+  copies = block // min(page_size, block)  # TMA copies a key block takes
   if not SUPPORTED:
     raise NotImplementedError(f"the Mosaic GPU prompt kernel needs jax >= 0.11 (its pages are "
                               f"refs written in place; its interpreter); this is jax "
@@ -385,15 +392,16 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
   steps = config.max_concurrent_steps
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   kernel = functools.partial(_kernel, sm_scale=float(sm_scale), heads=heads, steps=steps,
-                             consumers=consumers, pingpong=config.pingpong and consumers == 2)
+                             consumers=consumers, pingpong=config.pingpong and consumers == 2,
+                             block=block)
   call = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((tokens, heads, head_dim), qkv.dtype),
       scratch_types=[
           plgpu.SMEM((consumers, WG_ROWS, head_dim), qkv.dtype, transforms=swizzled),
           plgpu.SMEM((consumers, WG_ROWS, head_dim), qkv.dtype),
-          plgpu.SMEM((steps, WG_ROWS, head_dim), qkv.dtype, transforms=swizzled),
-          plgpu.SMEM((steps, WG_ROWS, head_dim), qkv.dtype, transforms=swizzled),
+          plgpu.SMEM((steps, block, head_dim), qkv.dtype, transforms=swizzled),
+          plgpu.SMEM((steps, block, head_dim), qkv.dtype, transforms=swizzled),
           plgpu.Barrier(num_barriers=consumers),
           plgpu.Barrier(num_arrivals=copies, num_barriers=steps),
           plgpu.Barrier(num_arrivals=copies, num_barriers=steps),
@@ -402,7 +410,7 @@ def mosaic_prefill_attention(qkv, k_pages, v_pages, layer, block_tables, seq_len
           plgpu.Barrier(num_arrivals=consumers),
           plgpu.SMEM((2, WG_ROWS, head_dim), qkv.dtype),
           plgpu.Barrier(num_arrivals=2),
-      ] + ([plgpu.SMEM((consumers, WG_ROWS, WG_ROWS), qkv.dtype, transforms=swizzled)]
+      ] + ([plgpu.SMEM((consumers, WG_ROWS, block), qkv.dtype, transforms=swizzled)]
            if interpret else []),
       grid=(meta.shape[1], heads),
       grid_names=("tile", "head"),

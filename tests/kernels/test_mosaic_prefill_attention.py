@@ -57,14 +57,16 @@ NEEDS_0_11 = pytest.mark.skipif(not SUPPORTED,
 @NEEDS_0_11
 @pytest.mark.parametrize("consumers", CONSUMERS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_float64_attention_and_writes_only_the_new_slots(case, consumers):
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_matches_float64_attention_and_writes_only_the_new_slots(case, consumers, block_kv):
   longest = max(q + c for q, c in zip(case.q_lens, case.context))
   arrays, index = _inputs(case, width=-(-longest // case.page_size))
   layer = 1
   expected = _expected(case, arrays, index, layer)  # (before the call donates the pages)
   got = mosaic_prefill_attention(**_fused(arrays), layer=jnp.int32(layer), **index,
                                  config=MosaicPrefillConfig(consumers=consumers,
-                                                            max_concurrent_steps=2),
+                                                            max_concurrent_steps=2,
+                                                            block_kv=block_kv),
                                  interpret=True)
   check_result(case, index, got, expected, "mosaic attention")
 
@@ -112,20 +114,23 @@ def test_bad_inputs_raise_naming_the_argument():
     MosaicPrefillConfig(max_concurrent_steps=0)
   with pytest.raises(ValueError, match="consumers must be 1 or 2"):
     MosaicPrefillConfig(consumers=3)
+  with pytest.raises(ValueError, match="block_kv must be 64 or 128"):
+    MosaicPrefillConfig(block_kv=32)
   if not SUPPORTED:  # (the py311 lane's jax 0.10)
     with pytest.raises(NotImplementedError, match="needs jax >= 0.11"):
       call(**arrays, **index)
 
 
 @NEEDS_0_11
-@pytest.mark.parametrize("head_dim,page", [(64, 64), (128, 64), (64, 16)])
-def test_lowers_to_mosaic_gpu_for_h200(head_dim, page):
+@pytest.mark.parametrize("head_dim,page,block_kv", [(64, 64, 64), (128, 64, 64), (64, 16, 64),
+                                                   (64, 64, 128)])
+def test_lowers_to_mosaic_gpu_for_h200(head_dim, page, block_kv):
   heads, kv_heads, tokens, sequences = 32, 8, 4096, 4
   width = 2048 // page
   spec = jax.ShapeDtypeStruct
   pages = spec((2, sequences * width + 1, page, kv_heads, head_dim), jnp.bfloat16)
   text = lower_for_h200(
-      lambda *args: mosaic_prefill_attention(*args),
+      lambda *args: mosaic_prefill_attention(*args, config=MosaicPrefillConfig(block_kv=block_kv)),
       spec((tokens, heads + 2 * kv_heads, head_dim), jnp.bfloat16), pages, pages,
       spec((), jnp.int32), spec((sequences, width), jnp.int32), spec((sequences,), jnp.int32),
       spec((sequences + 1,), jnp.int32), donate_argnums=(1, 2))
