@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cg_jax.kernels.ragged_paged_attention import checked_layout
+from cg_jax.kernels.ragged_paged_attention import checked_layout, new_heads
 
 # wgmma's rows per warpgroup: 64 query tokens per consumer.
 WG_ROWS = 64
@@ -199,7 +199,7 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
         plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
         take_turn()
         return acc_ref[...]
-      # [64, 64] raw scores
+      # [64, block] raw scores
       scores = pl.run_scoped(qk_scope, plgpu.ACC((WG_ROWS, block), jnp.float32))
       plgpu.barrier_arrive(k_consumed.at[slot])
       if mask is not None:
@@ -281,7 +281,7 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
     width = tables_ref.shape[1]
     chunk = min(page_size, block)
     copies = block // chunk
-    key_head, value_head = heads + kv_head, heads + kv_heads + kv_head
+    key_head, value_head = new_heads(heads, kv_heads, kv_head)
 
     @pl.loop(0, kv_steps)
     def _load(index):
@@ -342,13 +342,13 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
           start = lo
           for _ in range(WG_ROWS // min(page_size, WG_ROWS) + 1):  # (runs: one a page)
             position = first_position + first_token + start - q_begin
-            run = jnp.minimum(hi - start, page_size - position % page_size)
             page = tables_ref[tile, jnp.clip(position // page_size, 0, width - 1)]
             slot = position % page_size
+            run = jnp.maximum(jnp.minimum(hi - start, page_size - slot), 0)
             for pages_ref, buffer in ((k_pages_ref, 0), (v_pages_ref, 1)):
               _store_rows(w_smem.at[buffer], pages_ref.at[layer, page], slot - start, start,
-                          start + jnp.maximum(run, 0), kv_head, min(page_size, WG_ROWS))
-            start = start + jnp.maximum(run, 0)
+                          start + run, kv_head, min(page_size, WG_ROWS))
+            start = start + run
           plgpu.wait_smem_to_gmem(0)
 
 

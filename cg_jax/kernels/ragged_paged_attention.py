@@ -312,7 +312,7 @@ def _store(out_refs, carry, valid, stored, token_at, head_at, split_index) -> No
   pltriton.store(denom_ref.at[token_at, split_index, head_at], denom, mask=stored)
 
 
-def _new_heads(heads: int, kv_heads: int, kv_head):
+def new_heads(heads: int, kv_heads: int, kv_head):
   """Where KV head `kv_head`'s new key and value lie among the fused heads of qkv [A, N + 2K, H]:
   (N + kv_head, N + K + kv_head)."""
   return heads + kv_head, heads + kv_heads + kv_head
@@ -342,7 +342,7 @@ def _decode_kernel(q_lens_ref, lens_ref, tables_ref, layer_ref, qkv_ref, k_pages
   # [rows, H]
   query = pltriton.load(qkv_ref.at[token[:, None], head[:, None], dims[None, :]],
                         mask=(stored & active)[:, None], other=0.0)
-  key_head, value_head = _new_heads(heads, k_pages_ref.shape[3], kv_head)
+  key_head, value_head = new_heads(heads, k_pages_ref.shape[3], kv_head)
   split_start = split_index * split
   carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
@@ -383,7 +383,7 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
   meta_ref [TILE_FIELDS, X] (`tile_meta`: each tile's first token, its sequence's first query
   token, query tokens, length and region end, whether it is active); tables_ref [X, W] (each
   tile's sequence's block table); layer_ref [1]; qkv_ref [A, N + 2K, H] (queries, keys,
-  values: `_new_heads`); k_pages_ref, v_pages_ref [L, M, C, K, H]. Outputs: with one split
+  values: `new_heads`); k_pages_ref, v_pages_ref [L, M, C, K, H]. Outputs: with one split
   out_ref [A, N, H], with several the partials acc_ref [A, splits, N, H] f32 and max_ref,
   denom_ref [A, splits, N] f32; then the aliased pages. Every load before the keys' depends on
   the program's ids alone: the first key block waits for one load, its page."""
@@ -424,7 +424,7 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
   new_end = jnp.minimum(tile_keys, split_end)
 
   # [Q G_pad, H]
-  key_head, value_head = _new_heads(heads, k_pages_ref.shape[3], kv_head)
+  key_head, value_head = new_heads(heads, k_pages_ref.shape[3], kv_head)
   query = pltriton.load(qkv_ref.at[row_token_at[:, None], row_head[:, None], dims[None, :]],
                         mask=row_valid[:, None], other=0.0)
 
