@@ -9,16 +9,18 @@ jax's Mosaic GPU FlashAttention-3 example at 1.2x SDPA on the same shapes, atten
   1. Tiles. Each sequence's query tokens are cut into tiles of `consumers` x 64 tokens
      (`aligned_tiles`). A program (CTA) runs per (tile, query head) with consumers + 1
      warpgroups: the consumers, one per 64 tokens (the wgmma M of 64 rows), and a producer that
-     streams key and value blocks of 64 positions into SMEM with TMA, `max_concurrent_steps`
-     blocks ahead.
+     streams key and value blocks of block_kv positions into SMEM with TMA,
+     `max_concurrent_steps` blocks ahead. Programs run the heaviest tiles first (a sequence's
+     tiles in reverse).
   2. Keys. The producer streams the sequence's cached positions [0, first query position) from
      its pages (a block of block_kv positions: one TMA copy within a page, or one per page when
      pages are smaller), then the tokens' own keys from qkv [A, N + 2K, H] in place, in blocks
      of block_kv tokens from the sequence's first query token rounded down to ALIGN, up to the
-     tile's last token. Every consumer takes every block; each masks only the blocks that need
-     it (the cached keys' last partial block, own blocks holding earlier tokens or positions
-     past its first row), with the online softmax in base 2 (the scale folded into one
-     multiply-add).
+     tile's last token. Each consumer attends to the blocks up to its own last token (it only
+     releases the tile's later ones) and masks only the blocks that need it (the cached keys'
+     last partial block, own blocks holding earlier tokens or positions past its first row),
+     with the online softmax in base 2 (the scale folded into one multiply-add) and the
+     rescaled sum accumulated in place by the values' wgmma.
   3. Out. Each consumer stores its rows of the region (padding tokens of the region: zeros)
      from SMEM with TMA copies of 64, 32, ..., 1 rows (a box per power of two: the row count
      is only known at run time); rows past the region are not written, so tiles never touch a
@@ -61,12 +63,13 @@ class MosaicPrefillConfig:
   each; 1 or 2), `max_concurrent_steps` key/value blocks in flight per program (SMEM buffers
   of 2 x block_kv x H each); `pingpong` (two consumers): they take turns at the tensor cores,
   one's softmax running while the other's products do (FlashAttention-3's schedule);
-  `block_kv`: key positions per block (64 or 128)."""
+  `block_kv`: key positions per block (64 or 128; the default measured faster at 2,048 and
+  4,096 tokens, benchmarks/results/mosaic_prefill_h100.md)."""
 
   consumers: int = 2
   max_concurrent_steps: int = 2
   pingpong: bool = True
-  block_kv: int = 64
+  block_kv: int = 128
 
   def __post_init__(self):
     if self.consumers not in (1, 2):
@@ -147,7 +150,9 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
   the keys and values (and writes the new ones into the pages). Refs as `aligned_tiles` and
   `mosaic_prefill_attention` give them (whole arrays in GMEM), then the SMEM buffers and
   barriers of the kernel's scratch list."""
-  tile, head = lax.axis_index("tile"), lax.axis_index("head")
+  # (tiles in reverse, the heaviest first: a sequence's later tiles attend to more keys)
+  tile = meta_ref.shape[1] - 1 - lax.axis_index("tile")
+  head = lax.axis_index("head")
   wg = lax.axis_index("wg")
   kv_heads, page_size = k_pages_ref.shape[3], k_pages_ref.shape[2]
   kv_head = head // (heads // kv_heads)
@@ -171,6 +176,12 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
     plgpu.set_max_registers(232, action="increase")
     first_token = pl.multiple_of(tile_first + wg * WG_ROWS, ALIGN)
     qo = q_smem.at[wg]
+    # This consumer's blocks: up to its last query token (the tile's later blocks are only
+    # released); none when it holds no query token.
+    rows_end = jnp.minimum(first_token + WG_ROWS, tile_end)
+    own_steps_wg = pl.cdiv(jnp.maximum(rows_end - base, 0), block)
+    steps_wg = jnp.where(active & (first_token < tile_end),
+                         jnp.minimum(cached_steps + own_steps_wg, kv_steps), 0)
 
     @pl.when(active)  # (a tile of padding tokens stores zeros: no queries to load)
     def _load_queries():
@@ -217,25 +228,40 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
       rescale = jnp.exp2(row_max - new_max)
       probs = jnp.exp2(scores * scale - lax.broadcast_in_dim(new_max, scores.shape, [0]))
       denom = denom * rescale + probs.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
       probs = probs.astype(qo.dtype)
       if pingpong:  # softmax done; wait for the values, then for the tensor cores
-        new_max, denom, probs = lax.optimization_barrier((new_max, denom, probs))
+        acc, new_max, denom, probs = lax.optimization_barrier((acc, new_max, denom, probs))
         plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(v_barriers.at[slot])
       if pingpong:
         plgpu.barrier_wait(schedule)
-      if p_smem is not None:  # (the interpreter's wgmma takes its operands from SMEM only)
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+      if p_smem is None:  # [64, H] this block's values added to the rescaled sum in the wgmma
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      else:  # (the interpreter: its wgmma takes SMEM operands and starts from zeros)
         p_smem.at[wg][...] = probs
         plgpu.commit_smem()
         probs = p_smem.at[wg]
 
-      def pv_scope(acc_ref):
-        plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
-        return acc_ref[...]
-      # [64, H] this block's values, added to the rescaled sum (one multiply-add)
-      block_out = pl.run_scoped(pv_scope, plgpu.ACC(acc.shape, jnp.float32))
+        def pv_from_zeros(acc_ref):
+          pv(acc_ref)
+          return acc_ref[...]
+        acc = acc + pl.run_scoped(pv_from_zeros, plgpu.ACC(acc.shape, jnp.float32))
       plgpu.barrier_arrive(v_consumed.at[slot])
-      return acc * lax.broadcast_in_dim(rescale, acc.shape, [0]) + block_out, new_max, denom
+      return acc, new_max, denom
+
+    def skip(index, _):
+      """A block past this consumer's rows: observed, released and its turns kept, nothing
+      computed."""
+      slot = index % steps
+      for arrived, consumed in ((k_barriers, k_consumed), (v_barriers, v_consumed)):
+        plgpu.barrier_wait(arrived.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+      take_turn()
+      take_turn()
 
     head_dim = qo.shape[-1]
     carry = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
@@ -246,20 +272,24 @@ def _kernel(meta_ref, tables_ref, layer_ref, qkv_ref, k_pages_ref, v_pages_ref, 
     # behind the first.
     pl.when(wg == 1)(take_turn)
     # Cached keys: every row sees them all; only a last partial block is masked.
-    whole_cached = jnp.minimum(first_position // block, cached_steps)
+    # (every loop bound capped at this consumer's blocks)
+    whole_cached = jnp.minimum(first_position // block, jnp.minimum(cached_steps, steps_wg))
+    cached_end = jnp.minimum(cached_steps, steps_wg)
     carry = lax.fori_loop(0, whole_cached, lambda i, c: step(i, c, None), carry)
-    carry = lax.fori_loop(whole_cached, cached_steps,
+    carry = lax.fori_loop(whole_cached, cached_end,
                           lambda i, c: step(i, c, "cached", i * block), carry)
 
     # Own keys: masked where a block holds tokens before q_begin (the first, if q_begin is not
     # aligned) or positions past this warpgroup's first row; the blocks between are whole.
     def own(i, c, mask):
       return step(i, c, mask, first_position + base + (i - cached_steps) * block - q_begin)
-    lead = cached_steps + jnp.minimum((q_begin != base).astype(jnp.int32), own_steps)
-    whole_end = jnp.clip(cached_steps + (first_token - base) // block, lead, kv_steps)
-    carry = lax.fori_loop(cached_steps, lead, lambda i, c: own(i, c, "own"), carry)
+    lead = jnp.minimum(cached_steps + jnp.minimum((q_begin != base).astype(jnp.int32), own_steps),
+                       steps_wg)
+    whole_end = jnp.clip(cached_steps + (first_token - base) // block, lead, steps_wg)
+    carry = lax.fori_loop(cached_end, lead, lambda i, c: own(i, c, "own"), carry)
     carry = lax.fori_loop(lead, whole_end, lambda i, c: own(i, c, None), carry)
-    acc, _, denom = lax.fori_loop(whole_end, kv_steps, lambda i, c: own(i, c, "own"), carry)
+    acc, _, denom = lax.fori_loop(whole_end, steps_wg, lambda i, c: own(i, c, "own"), carry)
+    lax.fori_loop(steps_wg, kv_steps, skip, None)
     pl.when(wg == 0)(take_turn)
 
     # [64, H]: rows of query tokens normalised, the region's padding rows zeros
