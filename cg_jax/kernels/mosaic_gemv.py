@@ -1,17 +1,18 @@
 """A few rows times a weight matrix on the Mosaic GPU backend (Hopper: TMA and wgmma), for decode
 steps, whose products are bound by reading the weights (issue #34: XLA's GEMMs read them at
 2.1-3.4 TB/s of the H200's 4.2 at one to eight rows, benchmarks/results/
-decode_kernels_step_h200.json).
+decode_kernels_step_h200.json; this kernel against them: benchmarks/results/gemv_h100.md).
 
-  out [M, N] = x [M, K] @ w [K, N],  M <= 64 rows (padded to a multiple of 8); or w [L, K, N]
-  stacked over layers and `layer` (traced) picking one, read in place.
+  out [B, O] = x [B, D] @ w [D, O],  B <= 64 rows (padded to P, a multiple of 8); or w [L, D, O]
+  stacked over layers and `layer` (traced) picking one, read in place. (D: the product's inner
+  width, the hidden size or F; O: its output columns.)
 
 wgmma's M is 64, so the product runs transposed ("swap AB"): a program computes out^T for 64
-output columns, out^T [64, M8] = w^T [64, K] @ x^T [K, M8], with w's tile as the A operand and the
-rows as B (N = M8, as few as 8). The grid is (N / 64 column tiles, `splits` parts of K); each
-program streams its [block_k, 64] weight tiles (and the rows' [M8, block_k] slice) into a ring
-of `max_concurrent_steps` SMEM slots with TMA and accumulates in registers; its float32 partial
-sum goes to a [splits, N, M8] buffer that XLA adds up. The kernel runs under the Mosaic GPU
+output columns, out^T [64, P] = w^T [64, D] @ x^T [D, P], with w's tile as the A operand and the
+rows as B (wgmma's N = P, as few as 8). The grid is (O / 64 column tiles, `splits` parts of D);
+each program streams its [block_k, 64] weight tiles (and the rows' [P, block_k] slice) into a
+ring of `max_concurrent_steps` SMEM slots with TMA and accumulates in registers; its float32
+partial sum goes to a [splits, O, P] buffer that XLA adds up. The kernel runs under the Mosaic GPU
 interpreter on the CPU (`interpret=True`: tests); the interpreter's wgmma starts from zeros, so
 there each block's product is added to the sum instead of accumulated in place.
 """
@@ -38,7 +39,7 @@ INTERPRETER = hasattr(plgpu, "InterpretGPUParams")
 @dataclasses.dataclass(frozen=True)
 class MosaicGemvConfig:
   """Launch settings: `block_k` rows of w per step (64 or 128), `max_concurrent_steps` steps
-  in flight per program, `splits` programs along K per column tile (a power of two)."""
+  in flight per program, `splits` programs along D per column tile (a power of two)."""
 
   block_k: int = 128
   max_concurrent_steps: int = 4
@@ -62,7 +63,7 @@ def mosaic_gemv_reference(x, w):
 
 def _kernel(layer_ref, x_ref, w_ref, out_ref, x_smem, w_smem, arrived, *, part: int,
             steps: int, block_k: int, interpret: bool):
-  """One (column tile, K part) program: its partial out^T [64, M8] into out_ref[split]."""
+  """One (column tile, part of D) program: its partial out^T [64, P] into out_ref[split]."""
   column, split = lax.axis_index("column"), lax.axis_index("split")
   layer = layer_ref[0]
   blocks = part // block_k
@@ -82,7 +83,7 @@ def _kernel(layer_ref, x_ref, w_ref, out_ref, x_smem, w_smem, arrived, *, part: 
     plgpu.barrier_wait(arrived.at[slot])
 
     def product(acc_ref):
-      # [64, block_k] @ [block_k, M8]: the weights' tile and the rows, both transposed views
+      # [64, block_k] @ [block_k, P]: the weights' tile and the rows, both transposed views
       plgpu.wgmma(acc_ref, w_smem.at[slot].T, x_smem.at[slot].T)
     if interpret:  # (the interpreter's wgmma starts from zeros)
       def from_zeros(acc_ref):
@@ -105,16 +106,16 @@ def _kernel(layer_ref, x_ref, w_ref, out_ref, x_smem, w_smem, arrived, *, part: 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def mosaic_gemv(x, w, layer=None, *, config: MosaicGemvConfig = MosaicGemvConfig(),
                 interpret: bool = False):
-  """x [M, K] @ w [K, N] (or w[layer] of w [L, K, N]) -> [M, N] in x's dtype (float32
-  accumulation): bfloat16 or float16, M <= 64, N a multiple of 64, K a multiple of splits x
+  """x [B, D] @ w [D, O] (or w[layer] of w [L, D, O]) -> [B, O] in x's dtype (float32
+  accumulation): bfloat16 or float16, B <= 64, O a multiple of 64, D a multiple of splits x
   block_k. `interpret`: run in the Mosaic GPU interpreter (CPU tests)."""
   if (layer is None) != (w.ndim == 2):
-    raise ValueError(f"w must be [K, N] without a layer or [L, K, N] with one; got w "
+    raise ValueError(f"w must be [D, O] without a layer or [L, D, O] with one; got w "
                      f"{tuple(w.shape)}, layer {layer!r}")
   if w.ndim == 2:
     w, layer = w[None], 0
   if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
-    raise ValueError(f"x [M, K] and w [K, N] must agree on K; got x {tuple(x.shape)}, w "
+    raise ValueError(f"x [B, D] and w [D, O] must agree on D; got x {tuple(x.shape)}, w "
                      f"{tuple(w.shape)}")
   if x.dtype != w.dtype or x.dtype not in _DTYPES:
     raise ValueError(f"x and w must both be bfloat16 or float16; got {x.dtype}, {w.dtype}")
@@ -122,10 +123,10 @@ def mosaic_gemv(x, w, layer=None, *, config: MosaicGemvConfig = MosaicGemvConfig
   if not 1 <= m <= MAX_ROWS:
     raise ValueError(f"x must have 1 to {MAX_ROWS} rows; got x {tuple(x.shape)}")
   if n % BLOCK_N:
-    raise ValueError(f"w's N must be a multiple of {BLOCK_N}; got w {tuple(w.shape)}")
+    raise ValueError(f"w's O must be a multiple of {BLOCK_N}; got w {tuple(w.shape)}")
   block_k, splits = config.block_k, config.splits
   if k % (splits * block_k):
-    raise ValueError(f"K must be a multiple of splits x block_k = {splits * block_k}; got w "
+    raise ValueError(f"D must be a multiple of splits x block_k = {splits * block_k}; got w "
                      f"{tuple(w.shape)} with {config}")
   if interpret and not INTERPRETER:
     raise NotImplementedError(f"interpret=True needs the Mosaic GPU interpreter (jax >= 0.11); "
@@ -135,7 +136,7 @@ def mosaic_gemv(x, w, layer=None, *, config: MosaicGemvConfig = MosaicGemvConfig
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   kernel = functools.partial(_kernel, part=k // splits, steps=steps, block_k=block_k,
                              interpret=interpret)
-  # [S, N, M8] float32 partial sums, out^T
+  # [splits, O, P] float32 partial sums, out^T
   partials = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),

@@ -1,5 +1,5 @@
 """The Mosaic GPU row-times-weights kernel (`mosaic_gemv`) in the Mosaic GPU interpreter against a
-float64 product: row counts that need padding, several column tiles, K split in parts, rings of
+float64 product: row counts that need padding, several column tiles, D split in parts, rings of
 one to four slots, bfloat16 and float16; its validation; its lowering for an H200 at the model
 projections' shapes."""
 
@@ -48,9 +48,9 @@ def test_a_layer_of_stacked_weights_is_read_in_place():
 def test_bad_inputs_raise_naming_the_argument():
   x, w = jnp.ones((4, 512), jnp.bfloat16), jnp.ones((512, 128), jnp.bfloat16)
   call = functools.partial(mosaic_gemv, interpret=True)
-  with pytest.raises(ValueError, match="agree on K"):
+  with pytest.raises(ValueError, match="agree on D"):
     call(x, w[:256])
-  with pytest.raises(ValueError, match=r"\[L, K, N\] with one"):
+  with pytest.raises(ValueError, match=r"\[L, D, O\] with one"):
     call(x, w[None])
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     call(x.astype(jnp.float32), w.astype(jnp.float32))
