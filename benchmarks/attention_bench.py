@@ -103,6 +103,17 @@ def _to_torch(x):
   return torch.from_dlpack(x)
 
 
+def causal_sdpa_us(q, k, v):
+  """PyTorch SDPA's time on the same q [B, S, N, H], k, v [B, S, K, H] (causal, GQA), or None
+  without a CUDA torch."""
+  def sdpa():
+    import torch
+    tq, tk, tv = (_to_torch(x).transpose(1, 2) for x in (q, k, v))
+    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
+                                                            enable_gqa=True)
+  return _torch_us(sdpa)
+
+
 def _random_inputs(seed: int, q_shape, kv_shape, batch: int, length: int):
   """Random bfloat16 q, k, v (never zeros) and full-length rows."""
   keys = jax.random.split(jax.random.key(seed), 3)
@@ -165,13 +176,7 @@ def prefill_rows(seq_lens, batch=4, heads=32, kv_heads=8, head_dims=(64, 128)):
                  pallas_us=us, pallas_config=dataclasses.asdict(config), default_us=default_us,
                  xla_us=_median_us(reference, q, k, v, lengths))
 
-      def torch_sdpa():
-        import torch
-        tq, tk, tv = (_to_torch(x).transpose(1, 2) for x in (q, k, v))
-        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
-                                                                enable_gqa=True)
-
-      row["torch_sdpa_us"] = _torch_us(torch_sdpa)
+      row["torch_sdpa_us"] = causal_sdpa_us(q, k, v)
       row["pallas_tflops"] = flops / row["pallas_us"] / 1e6
       row["pallas_share_of_ceiling"] = row["pallas_tflops"] * 1e12 / BF16_FLOPS
       rows.append(row)
@@ -297,11 +302,6 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
          for config in PREFILL_CONFIGS[::2]),
         _median_us, q, k, v, lengths)
 
-    def torch_sdpa():
-      import torch
-      tq, tk, tv = (_to_torch(x).transpose(1, 2) for x in (q, k, v))
-      return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
-                                                              enable_gqa=True)
 
     flops = 4 * batch * heads * seq * seq * head_dim / 2
     row = dict(kernel="ragged_paged_attention", phase="prefill", batch=batch, seq_len=seq,
@@ -310,7 +310,7 @@ def paged_prefill_rows(seq_lens, page_size: int, batch=4, heads=32, kv_heads=8, 
                all_us={f"t{c.tile_rows}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}": us
                        for us, c in timed},
                flash_us=flash_us, flash_config=dataclasses.asdict(flash_config),
-               torch_sdpa_us=_torch_us(torch_sdpa),
+               torch_sdpa_us=causal_sdpa_us(q, k, v),
                rel_error_vs_xla=_paged_error(inputs, best, reference=reference),
                pallas_tflops=flops / best_us / 1e6,
                mosaic_us=mosaic_us, mosaic_config=dataclasses.asdict(mosaic_best),

@@ -79,13 +79,8 @@ def peer_rows(q, k, v, lengths, inputs):
       jax.jit(functools.partial(flash_attention, config=c)), q, k, v, lengths) for c in FLASH}
   ragged = {f"t{c.tile_rows}_k{c.block_k}_w{c.num_warps}": ab.layers_us(
       ab._paged_attend(c), inputs(), 1, caches=ab.PAGED_CACHES) for c in RAGGED}
-
-  def sdpa():
-    import torch
-    tq, tk, tv = (ab._to_torch(x).transpose(1, 2) for x in (q, k, v))
-    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
-                                                            enable_gqa=True)
-  return dict(fa3_us=fa3, flash_us=flash, triton_ragged_us=ragged, sdpa_us=ab._torch_us(sdpa))
+  return dict(fa3_us=fa3, flash_us=flash, triton_ragged_us=ragged,
+              sdpa_us=ab.causal_sdpa_us(q, k, v))
 
 
 def main():
